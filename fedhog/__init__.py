@@ -1,0 +1,1 @@
+"""fedhog: federated learning with higher-order differential-privacy mixing."""
