@@ -1,0 +1,26 @@
+"""Higher-order derivative engine: gradients, HVPs, third-order vectors and directional derivatives.
+
+Imports torch only.  See :mod:`fedhog.derivatives.engine` for the entry points.
+"""
+
+from .api import HigherOrderResult, eval_mode
+from .engine import (
+    directional_derivatives,
+    gradient,
+    hessian,
+    hessian_vector_product,
+    third_order_vector,
+)
+from .losses import cross_entropy, mse
+
+__all__ = [
+    "HigherOrderResult",
+    "cross_entropy",
+    "directional_derivatives",
+    "eval_mode",
+    "gradient",
+    "hessian",
+    "hessian_vector_product",
+    "mse",
+    "third_order_vector",
+]

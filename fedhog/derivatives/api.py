@@ -1,0 +1,153 @@
+"""Public entry points: derivatives of a model's mean batch loss in its parameters.
+
+Each function evaluates ``L(θ) = loss(model(inputs; θ, buffers), targets)`` with
+``torch.func.functional_call`` in eval mode (running BatchNorm statistics, no
+dropout), never keeps an autograd graph alive after returning, and reports
+non-finite results through ``HigherOrderResult.finite``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from . import functional as fn
+from .losses import LossFn, get_loss
+
+Params = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class HigherOrderResult:
+    """Outcome of one derivative computation.
+
+    Attributes
+    ----------
+    vector : dict[str, Tensor] or None
+        Parameter-shaped result (detached); with ``per_example=True`` each entry
+        has a leading batch dimension.  ``None`` for scalar quantities.
+    finite : bool
+        ``False`` if any returned number (or the loss) is non-finite; the
+        numbers must then not be used.
+    method : str
+        Formulation that ran: ``"taylor"``, ``"torch.func"`` or ``"autograd"``.
+    seconds : float
+        Wall-clock time of the computation.
+    loss : float
+        ``L(θ)`` on the batch (mean over examples when per-example).
+    values : Tensor or None
+        Non-parameter-shaped result: directional derivatives ``[L, L′, …, L⁽ᵏ⁾]``
+        or a dense Hessian.
+    """
+
+    vector: Params | None
+    finite: bool
+    method: str
+    seconds: float
+    loss: float
+    values: Tensor | None = None
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put ``model`` in eval mode and restore every submodule's flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.train(flag)
+
+
+def model_state(model: nn.Module) -> tuple[Params, Params]:
+    """Return detached ``(params, buffers)`` of ``model``."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    buffers = {k: b.detach() for k, b in model.named_buffers()}
+    return params, buffers
+
+
+def batch_objective(
+    model: nn.Module, buffers: Params, loss: LossFn, inputs: Tensor, targets: Tensor
+) -> Callable[[Params], Tensor]:
+    """Return ``θ ↦ loss(model(inputs; θ, buffers), targets)``."""
+    def f(params: Params) -> Tensor:
+        return loss(functional_call(model, (params, buffers), (inputs,)), targets)
+
+    return f
+
+
+def check_direction(direction: Params, params: Params) -> Params:
+    """Validate ``direction`` against ``params`` and cast it to their dtype/device."""
+    if set(direction) != set(params):
+        missing, extra = set(params) - set(direction), set(direction) - set(params)
+        raise ValueError(f"direction keys differ from parameters: missing {missing}, extra {extra}")
+    out = {}
+    for k, p in params.items():
+        if direction[k].shape != p.shape:
+            raise ValueError(f"direction[{k!r}] has shape {tuple(direction[k].shape)}, expected {tuple(p.shape)}")
+        out[k] = direction[k].detach().to(p)
+    return out
+
+
+def all_finite(*items: Params | Tensor | None) -> bool:
+    """Return whether every tensor in ``items`` is finite."""
+    tensors: list[Tensor] = []
+    for item in items:
+        if isinstance(item, dict):
+            tensors.extend(item.values())
+        elif item is not None:
+            tensors.append(item)
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
+
+
+def run_reference(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    loss: str | LossFn,
+    formulation: Formulation,
+    per_example: bool,
+) -> tuple[Params | Tensor, Tensor]:
+    """Evaluate ``formulation(f, params)`` on the batch objective, or per example with ``vmap``."""
+    loss_fn = get_loss(loss)
+    params, buffers = model_state(model)
+    with eval_mode(model):
+        if not per_example:
+            return formulation(batch_objective(model, buffers, loss_fn, inputs, targets), params)
+
+        def one(x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
+            f = batch_objective(model, buffers, loss_fn, x.unsqueeze(0), y.unsqueeze(0))
+            return formulation(f, params)
+
+        return vmap(one)(inputs, targets)
+
+
+def _detach(out: Params | Tensor) -> Params | Tensor:
+    if isinstance(out, dict):
+        return {k: t.detach() for k, t in out.items()}
+    return out.detach()
+
+
+def finish(out: Params | Tensor, value: Tensor, method: str, start: float) -> HigherOrderResult:
+    """Package detached outputs into a ``HigherOrderResult``."""
+    out, value = _detach(out), value.detach()
+    vector = out if isinstance(out, dict) else None
+    values = None if isinstance(out, dict) else out
+    return HigherOrderResult(
+        vector=vector,
+        finite=all_finite(vector, values, value),
+        method=method,
+        seconds=time.perf_counter() - start,
+        loss=float(value.mean()),
+        values=values,
+    )

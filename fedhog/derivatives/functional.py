@@ -1,0 +1,117 @@
+"""Reference formulations of the derivatives with ``torch.func`` and ``torch.autograd``.
+
+Every function takes a scalar function ``f(params)`` of a dict of tensors and a
+direction ``v`` keyed like ``params``.  The ``torch.func`` versions compose with
+``vmap``; the ``autograd`` ones (nested ``backward``) serve as an independent
+formulation and baseline.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.func import grad, grad_and_value, hessian, jvp
+
+Params = dict[str, Tensor]
+ScalarFn = Callable[[Params], Tensor]
+
+
+def func_gradient(f: ScalarFn, params: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇f, f)`` by reverse mode."""
+    return grad_and_value(f)(params)
+
+
+def func_hvp(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇²f v, f)`` by forward-over-reverse."""
+    def g(p: Params) -> tuple[Params, Tensor]:
+        return grad_and_value(f)(p)
+
+    (_, value), (hv, _) = jvp(g, (params,), (v,))
+    return hv, value
+
+
+def func_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇(vᵀ∇²f v), f)`` by reverse-over-forward-over-forward."""
+    def second(p: Params) -> tuple[Tensor, Tensor]:
+        def first(q: Params) -> tuple[Tensor, Tensor]:
+            return jvp(f, (q,), (v,))
+
+        (value, _), (_, d2) = jvp(first, (p,), (v,))
+        return d2, value
+
+    t, value = grad(second, has_aux=True)(params)
+    return t, value
+
+
+def func_directional(f: ScalarFn, params: Params, v: Params, order: int) -> Tensor:
+    """Return ``[f, f', …, f⁽ᵏ⁾]`` of ``s ↦ f(θ + s v)`` at ``s = 0`` by nested ``jvp``."""
+    def nest(k: int) -> Callable[[Params], tuple[Tensor, ...]]:
+        if k == 0:
+            return lambda p: (f(p),)
+        inner = nest(k - 1)
+
+        def g(p: Params) -> tuple[Tensor, ...]:
+            values, tangents = jvp(inner, (p,), (v,))
+            return (*values, tangents[-1])
+
+        return g
+
+    return torch.stack(nest(order)(params))
+
+
+def func_hessian(f: ScalarFn, params: Params) -> Tensor:
+    """Return the dense Hessian ``[P, P]`` over parameters flattened in ``params`` order."""
+    names = list(params)
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+    flat = torch.cat([params[n].reshape(-1) for n in names])
+
+    def g(x: Tensor) -> Tensor:
+        parts = torch.split(x, sizes)
+        return f({n: part.view(s) for n, part, s in zip(names, parts, shapes)})
+
+    return hessian(g)(flat)
+
+
+def _leaves(params: Params) -> Params:
+    return {k: p.detach().requires_grad_(True) for k, p in params.items()}
+
+
+def _grad(out: Tensor, params: Params, create_graph: bool) -> Params:
+    if not out.requires_grad:  # out does not depend on params: derivative is zero
+        return {k: torch.zeros_like(p) for k, p in params.items()}
+    gs = torch.autograd.grad(out, list(params.values()), create_graph=create_graph, allow_unused=True)
+    return {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), gs)}
+
+
+def _dot(a: Params, b: Params) -> Tensor:
+    return sum((a[k] * b[k]).sum() for k in a)
+
+
+def autograd_gradient(f: ScalarFn, params: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇f, f)`` with one ``autograd.grad``."""
+    with torch.enable_grad():
+        p = _leaves(params)
+        value = f(p)
+        return _grad(value, p, False), value.detach()
+
+
+def autograd_hvp(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇²f v, f)`` by double backward."""
+    with torch.enable_grad():
+        p = _leaves(params)
+        value = f(p)
+        g = _grad(value, p, True)
+        return _grad(_dot(g, v), p, False), value.detach()
+
+
+def autograd_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
+    """Return ``(∇(vᵀ∇²f v), f)`` by triple backward."""
+    with torch.enable_grad():
+        p = _leaves(params)
+        value = f(p)
+        g = _grad(value, p, True)
+        hv = _grad(_dot(g, v), p, True)
+        return _grad(_dot(hv, v), p, False), value.detach()
