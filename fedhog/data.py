@@ -1,0 +1,433 @@
+"""Federated datasets: offline generators, partitioning and per-client splits.
+
+Every array a caller sees is determined by a :class:`DataSpec`. The data of a
+spec is built once per process (``functools.lru_cache``) and the slow MNIST-1D
+generation is also cached on disk, so many client processes can share it.
+
+Layout of one spec:
+
+* ``mnist1d``, ``digits`` and ``hf:<id>``: a central test set is held out
+  (``test_fraction`` of the data; the ``test`` split for ``hf:``), the rest is
+  the training pool, which a flwr-datasets partitioner splits into
+  ``num_partitions`` disjoint client partitions covering the pool.
+* ``synthetic`` / ``synthetic:<alpha>,<beta>``: FedProx Synthetic(alpha, beta)
+  (Li et al., 2020); every client generates its own data (natural partition,
+  ``partitioner``, ``alpha`` and ``num_samples`` are ignored) and hands
+  ``test_fraction`` of it to the central test set. Plain ``synthetic`` is
+  Synthetic(1, 1).
+
+Each client's partition is then split into training (the rest) and validation
+(``floor(validation_fraction * n)`` examples). A client with ``n >= 1`` examples
+therefore always has at least one training example; a client with none gets
+empty arrays of the right shape and dtype.
+"""
+
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset
+from flwr_datasets import FederatedDataset
+from flwr_datasets.partitioner import (
+    DirichletPartitioner,
+    IidPartitioner,
+    Partitioner,
+    PathologicalPartitioner,
+)
+
+DATASETS = ("mnist1d", "digits", "synthetic")
+PARTITIONERS = ("iid", "dirichlet", "pathological")
+HF_PREFIX = "hf:"
+SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Everything that determines the federated data (hashable cache key).
+
+    Attributes
+    ----------
+    dataset : str
+        One of ``DATASETS``, ``"synthetic:<alpha>,<beta>"`` or ``"hf:<id>"``.
+    num_samples : int
+        Examples generated for ``mnist1d`` (rounded down to a multiple of 10);
+        ignored by the other datasets.
+    partitioner : str
+        One of ``PARTITIONERS``; ignored by ``synthetic``.
+    num_partitions : int
+        Number of clients.
+    alpha : float
+        Dirichlet concentration (``dirichlet`` only); smaller is more skewed.
+    classes_per_partition : int
+        Classes per client (``pathological`` only).
+    validation_fraction : float
+        Fraction of each client's examples kept for validation, in [0, 1).
+    test_fraction : float
+        Fraction of all examples held out as the central test set, in (0, 1);
+        ignored by ``hf:`` datasets, which use their ``test`` split.
+    seed : int
+        Seed of data generation, splitting and partitioning.
+    """
+
+    dataset: str = "mnist1d"
+    num_samples: int = 20000
+    partitioner: str = "dirichlet"
+    num_partitions: int = 100
+    alpha: float = 0.5
+    classes_per_partition: int = 2
+    validation_fraction: float = 0.1
+    test_fraction: float = 0.2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ArrayData:
+    """Examples ``x`` (float32, ``[N, *input_shape]``) and labels ``y`` (int64, ``[N]``)."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class _Federation:
+    """Materialised spec: examples, central test set and per-client index splits."""
+
+    x: np.ndarray
+    y: np.ndarray
+    test: ArrayData
+    clients: tuple[tuple[np.ndarray, np.ndarray], ...]  # (train, validation) indices
+
+
+def _reject(key: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"data: {key}={value!r} is not allowed; expected {expected}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _synthetic_params(dataset: str) -> tuple[float, float] | None:
+    """Return (alpha, beta) of a ``synthetic`` dataset name, ``None`` for other names."""
+    if dataset == "synthetic":
+        return 1.0, 1.0
+    if not dataset.startswith("synthetic:"):
+        return None
+    try:
+        alpha, beta = (float(v) for v in dataset.removeprefix("synthetic:").split(","))
+    except ValueError:
+        return None
+    ok = all(math.isfinite(v) and v >= 0 for v in (alpha, beta))
+    return (alpha, beta) if ok else None
+
+
+def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
+    """Check a spec (and optionally a client id) without loading any data.
+
+    Parameters
+    ----------
+    spec : DataSpec
+        Spec to check.
+    partition_id : int, optional
+        Client id to check against ``spec.num_partitions``.
+
+    Raises
+    ------
+    ValueError
+        ``"data: <key>=<value> is not allowed; expected ..."`` for the first
+        invalid field. Constraints that need the data (e.g. more partitions
+        than training examples) are reported the same way when it is loaded.
+    """
+    dataset = spec.dataset
+    if not isinstance(dataset, str) or not (
+        dataset in DATASETS
+        or _synthetic_params(dataset) is not None
+        or (dataset.startswith(HF_PREFIX) and len(dataset) > len(HF_PREFIX))
+    ):
+        raise _reject(
+            "dataset", dataset,
+            f"one of {DATASETS}, 'synthetic:<alpha>,<beta>' with alpha, beta >= 0 "
+            f"or '{HF_PREFIX}<hugging face id>'",
+        )
+    if spec.partitioner not in PARTITIONERS:
+        raise _reject("partitioner", spec.partitioner, f"one of {PARTITIONERS}")
+    if not _is_int(spec.num_samples) or spec.num_samples < 10:
+        raise _reject("num_samples", spec.num_samples, "an integer >= 10")
+    if not _is_int(spec.num_partitions) or spec.num_partitions < 1:
+        raise _reject("num_partitions", spec.num_partitions, "an integer >= 1")
+    if not isinstance(spec.alpha, (int, float)) or not spec.alpha > 0:
+        raise _reject("alpha", spec.alpha, "a number > 0")
+    if not _is_int(spec.classes_per_partition) or spec.classes_per_partition < 1:
+        raise _reject("classes_per_partition", spec.classes_per_partition, "an integer >= 1")
+    if not isinstance(spec.validation_fraction, (int, float)) or not (
+        0 <= spec.validation_fraction < 1
+    ):
+        raise _reject("validation_fraction", spec.validation_fraction, "a number in [0, 1)")
+    if not isinstance(spec.test_fraction, (int, float)) or not 0 < spec.test_fraction < 1:
+        raise _reject("test_fraction", spec.test_fraction, "a number in (0, 1)")
+    if not _is_int(spec.seed) or spec.seed < 0:
+        raise _reject("seed", spec.seed, "an integer >= 0")
+    if partition_id is not None and (
+        not _is_int(partition_id) or not 0 <= partition_id < spec.num_partitions
+    ):
+        raise _reject(
+            "partition_id", partition_id,
+            f"an integer in [0, {spec.num_partitions - 1}] (num_partitions={spec.num_partitions})",
+        )
+
+
+def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
+    """Return ``(input_shape, num_classes)`` of one example of the spec's dataset.
+
+    Only ``hf:`` datasets are loaded to answer this.
+    """
+    validate_spec(spec)
+    if spec.dataset == "mnist1d":
+        return (1, 40), 10
+    if spec.dataset == "digits":
+        return (1, 8, 8), 10
+    if _synthetic_params(spec.dataset) is not None:
+        return (60,), 10
+    x, _, _, num_classes = _load_hf(spec.dataset.removeprefix(HF_PREFIX), spec.seed)
+    return tuple(x.shape[1:]), num_classes
+
+
+def load_test_set(spec: DataSpec) -> ArrayData:
+    """Return (a copy of) the central test set, disjoint from every client's data."""
+    validate_spec(spec)
+    test = _federation(spec).test
+    return ArrayData(test.x.copy(), test.y.copy())
+
+
+def load_client_data(spec: DataSpec, partition_id: int) -> tuple[ArrayData, ArrayData]:
+    """Return ``(train, validation)`` of client ``partition_id``.
+
+    Training data is never empty (specs with more clients than training examples
+    are rejected). Validation data is empty (``len == 0``, shapes
+    ``[0, *input_shape]`` and ``[0]``) when ``validation_fraction * n < 1``;
+    callers must handle that.
+    """
+    validate_spec(spec, partition_id)
+    fed = _federation(spec)
+    train, val = fed.clients[partition_id]
+    return ArrayData(fed.x[train], fed.y[train]), ArrayData(fed.x[val], fed.y[val])
+
+
+@functools.lru_cache(maxsize=8)
+def _federation(spec: DataSpec) -> _Federation:
+    params = _synthetic_params(spec.dataset)
+    if params is not None:
+        return _synthetic_federation(spec, *params)
+    if spec.dataset.startswith(HF_PREFIX):
+        x, y, test, _ = _load_hf(spec.dataset.removeprefix(HF_PREFIX), spec.seed)
+    else:
+        x, y = (
+            load_mnist1d(spec.num_samples, spec.seed)
+            if spec.dataset == "mnist1d"
+            else load_digits()
+        )
+        order = np.random.default_rng(spec.seed).permutation(len(y))
+        n_test = int(spec.test_fraction * len(y))
+        test = ArrayData(x[order[:n_test]], y[order[:n_test]])
+        x, y = x[order[n_test:]], y[order[n_test:]]
+    clients = tuple(
+        _train_val_split(part, spec.validation_fraction) for part in _partition(y, spec)
+    )
+    return _Federation(x, y, test, clients)
+
+
+def _train_val_split(
+    indices: np.ndarray, validation_fraction: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split already shuffled client indices into (train, validation)."""
+    n_val = int(validation_fraction * len(indices))
+    return indices[n_val:], indices[:n_val]
+
+
+def _make_partitioner(spec: DataSpec) -> Partitioner:
+    if spec.partitioner == "iid":  # contiguous shards of the (shuffled) pool
+        return IidPartitioner(spec.num_partitions)
+    if spec.partitioner == "dirichlet":
+        # flwr's default min_partition_size=10 resamples until every client has 10
+        # examples and gives up after 10 tries, which fails for large populations
+        # with ~10 examples each; empty clients are filled by _fill_empty instead.
+        return DirichletPartitioner(
+            spec.num_partitions, "label", float(spec.alpha),
+            min_partition_size=0, seed=spec.seed,
+        )
+    return PathologicalPartitioner(
+        spec.num_partitions, "label", spec.classes_per_partition,
+        class_assignment_mode="first-deterministic", seed=spec.seed,
+    )
+
+
+def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
+    """Split ``arange(len(labels))`` into ``spec.num_partitions`` disjoint covering parts."""
+    if spec.num_partitions > len(labels):
+        raise _reject(
+            "num_partitions", spec.num_partitions,
+            f"at most the {len(labels)} training examples of dataset={spec.dataset!r}",
+        )
+    num_classes = len(np.unique(labels))
+    if spec.partitioner == "pathological" and spec.classes_per_partition > num_classes:
+        raise _reject(
+            "classes_per_partition", spec.classes_per_partition,
+            f"at most the {num_classes} classes of dataset={spec.dataset!r}",
+        )
+    partitioner = _make_partitioner(spec)
+    partitioner.dataset = Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
+    try:
+        parts = [
+            np.asarray(partitioner.load_partition(i)["idx"], dtype=np.int64)
+            for i in range(spec.num_partitions)
+        ]
+    except ValueError as err:  # pathological: a class is needed by more clients than it has
+        raise _reject(
+            "num_partitions", spec.num_partitions, f"a feasible partitioning ({err})"
+        ) from err
+    return _fill_empty(parts)
+
+
+def _fill_empty(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Give each empty part one example taken from the currently largest part.
+
+    Deterministic; always succeeds when there are at least as many examples as parts.
+    """
+    sizes = np.array([len(p) for p in parts])
+    for i in np.flatnonzero(sizes == 0):
+        donor = int(np.argmax(sizes))
+        parts[i], parts[donor] = parts[donor][-1:], parts[donor][:-1]
+        sizes[i], sizes[donor] = 1, sizes[donor] - 1
+    return parts
+
+
+def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federation:
+    """FedProx Synthetic(alpha, beta): one generated data set per client.
+
+    Follows the reference generator of Li et al. (2020): ``u_k ~ N(0, alpha)``,
+    ``W_k ~ N(u_k, 1)`` (60x10), ``b_k ~ N(u_k, 1)``, ``B_k ~ N(0, beta)``,
+    ``v_k ~ N(B_k, 1)`` (60), ``x ~ N(v_k, diag(j^-1.2))``,
+    ``y = argmax(softmax(x W_k + b_k))``, with ``lognormal(4, 2) + 50`` examples
+    per client capped at ``SYNTHETIC_MAX_SAMPLES``. As in the reference code,
+    ``alpha`` and ``beta`` are standard deviations.
+    """
+    dim, num_classes, k = 60, 10, spec.num_partitions
+    rng = np.random.default_rng(spec.seed)
+    counts = np.minimum(rng.lognormal(4, 2, k).astype(np.int64) + 50, SYNTHETIC_MAX_SAMPLES)
+    u = rng.normal(0, alpha, k)
+    v = rng.normal(rng.normal(0, beta, k)[:, None], 1, (k, dim))
+    std = np.arange(1, dim + 1) ** -0.6  # sqrt of the covariance diagonal j^-1.2
+    xs, ys, tests, clients, offset = [], [], [], [], 0
+    for u_k, v_k, n in zip(u, v, counts):
+        w = rng.normal(u_k, 1, (dim, num_classes))
+        b = rng.normal(u_k, 1, num_classes)
+        x = (v_k + std * rng.standard_normal((n, dim))).astype(np.float32)
+        y = np.argmax(x @ w + b, axis=1)  # softmax is monotone
+        n_test = int(spec.test_fraction * n)
+        tests.append((x[:n_test], y[:n_test]))
+        xs.append(x[n_test:])
+        ys.append(y[n_test:])
+        idx = np.arange(offset, offset + n - n_test)
+        clients.append(_train_val_split(idx, spec.validation_fraction))
+        offset += n - n_test
+    test = ArrayData(
+        np.concatenate([t[0] for t in tests]),
+        np.concatenate([t[1] for t in tests]).astype(np.int64),
+    )
+    return _Federation(
+        np.concatenate(xs), np.concatenate(ys).astype(np.int64), test, tuple(clients)
+    )
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FEDHOG_CACHE") or Path.home() / ".cache" / "fedhog")
+
+
+@functools.lru_cache(maxsize=4)
+def load_mnist1d(num_samples: int = 20000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Generate MNIST-1D, cached in memory and on disk.
+
+    Parameters
+    ----------
+    num_samples : int
+        Examples to generate (rounded down to a multiple of 10 by ``mnist1d``).
+    seed : int
+        Generator seed.
+
+    Returns
+    -------
+    x, y : np.ndarray
+        ``[N, 1, 40]`` float32 signals (standardised by ``mnist1d``) and int64 labels.
+
+    Notes
+    -----
+    The disk cache is ``$FEDHOG_CACHE`` (default ``~/.cache/fedhog``), one ``.npz``
+    per argument hash, written atomically. ``mnist1d`` reseeds the global NumPy
+    and Python RNGs; their states are restored afterwards.
+    """
+    key = json.dumps({"generator": "mnist1d", "num_samples": num_samples, "seed": seed})
+    path = _cache_dir() / f"mnist1d-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    if path.exists():
+        with np.load(path) as f:
+            return f["x"], f["y"]
+    from mnist1d.data import get_dataset_args, make_dataset  # slow import, only on a miss
+
+    args = get_dataset_args()
+    args.num_samples, args.seed = num_samples, seed
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        raw = make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    x = np.concatenate([raw["x"], raw["x_test"]]).astype(np.float32)[:, None, :]
+    y = np.concatenate([raw["y"], raw["y_test"]]).astype(np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        np.savez(tmp, x=x, y=y)
+    os.replace(tmp.name, path)
+    return x, y
+
+
+@functools.lru_cache(maxsize=1)
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Return scikit-learn's 1797 8x8 digits: ``[N, 1, 8, 8]`` float32 in [0, 1], int64 labels."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    data = sk_load_digits()
+    x = (data.images / 16.0).astype(np.float32)[:, None]
+    return x, data.target.astype(np.int64)
+
+
+def _hf_arrays(split: Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """Convert an image-classification split (one image column and ``label``) to arrays."""
+    feature = next(name for name in split.column_names if name != "label")
+    x = np.asarray(split.with_format("numpy")[feature], dtype=np.float32) / 255.0
+    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)  # to [N, C, H, W]
+    return x, np.asarray(split["label"], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_hf(dataset_id: str, seed: int) -> tuple[np.ndarray, np.ndarray, ArrayData, int]:
+    """Load a Hugging Face image-classification dataset through ``FederatedDataset``.
+
+    Returns the shuffled ``train`` split (the training pool) as arrays, the
+    ``test`` split as the central test set and the number of classes. Needs
+    network access on first use (afterwards the Hugging Face cache). The pool is
+    partitioned by :func:`_partition`, like the offline datasets, so the
+    placeholder partitioner given to ``FederatedDataset`` is never used.
+    """
+    fds = FederatedDataset(dataset=dataset_id, partitioners={"train": 1}, seed=seed)
+    train = fds.load_split("train")
+    x, y = _hf_arrays(train)
+    test = ArrayData(*_hf_arrays(fds.load_split("test")))
+    return x, y, test, train.features["label"].num_classes
