@@ -1,0 +1,124 @@
+"""Flower ClientApp: local training plus the third-order noise term.
+
+Thin by design: the work is in :mod:`fedhog.training` and
+:mod:`fedhog.derivatives`; this module turns Flower messages into calls.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from .config import RunConfig
+from .data import ArrayData, dataset_info, load_client_data
+from .derivatives import third_order_vector
+from .models import build_model
+from .training import (
+    direction_seed,
+    evaluate,
+    random_direction,
+    select_device,
+    train_locally,
+    unit_direction,
+)
+
+app = ClientApp()
+
+
+@lru_cache(maxsize=8)
+def _config(items: tuple[tuple[str, object], ...]) -> RunConfig:
+    return RunConfig.from_mapping(dict(items))
+
+
+def run_config_of(context: Context) -> RunConfig:
+    """The validated run config, parsed once per process."""
+    return _config(tuple(sorted(context.run_config.items())))
+
+
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Tell the server which data partition this node holds."""
+    metrics = MetricRecord({
+        "partition-id": int(context.node_config["partition-id"]),
+        "num-partitions": int(context.node_config["num-partitions"]),
+    })
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train locally from the global model; reply with Δ, t and metrics."""
+    config = run_config_of(context)
+    partition_id = int(context.node_config["partition-id"])
+    server_round = int(msg.content["config"]["server-round"])
+    seed = direction_seed(config.seed, server_round, partition_id)
+    device = select_device(config.device)
+    train_data, validation_data = load_client_data(config.data_spec, partition_id)
+
+    input_shape, num_classes = dataset_info(config.data_spec)
+    model = build_model(config.model, input_shape, num_classes).to(device)
+    global_state = msg.content["arrays"].to_torch_state_dict()
+    model.load_state_dict(global_state)
+    global_state = {k: v.to(device) for k, v in global_state.items()}
+
+    train_loss = train_locally(model, train_data, config.local_epochs, config.batch_size,
+                               config.learning_rate, config.momentum, seed)
+    update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
+    _, validation_accuracy = evaluate(model, validation_data)
+
+    records = RecordDict({"update": ArrayRecord(_to_cpu(update))})
+    metrics: dict[str, float | int] = {
+        "partition-id": partition_id,
+        "num-examples": len(train_data),
+        "train-loss": _finite_or(train_loss, -1.0),
+        "validation-accuracy": _finite_or(validation_accuracy, -1.0),
+    }
+    if config.mechanism == "hog":
+        model.load_state_dict(global_state)
+        term, finite, seconds = third_order_term(model, train_data, update, config, seed)
+        metrics.update({"third-order-seconds": seconds, "third-order-finite": int(finite)})
+        if finite:
+            records["third-order-term"] = ArrayRecord(_to_cpu(term))
+    records["metrics"] = MetricRecord(metrics)
+    return Message(records, reply_to=msg)
+
+
+def third_order_term(
+    model: torch.nn.Module,
+    data: ArrayData,
+    update: dict[str, torch.Tensor],
+    config: RunConfig,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], bool, float]:
+    """t = ∇_θ(vᵀ∇²L(θ)v) at the model's parameters on one local batch.
+
+    v is a random unit direction from ``seed`` (``hog-direction = random``) or
+    the unit local update (``update``; random when the update is zero).
+    Returns the term, whether it is finite, and the seconds it took.
+    """
+    started = time.perf_counter()
+    params = dict(model.named_parameters())
+    direction = unit_direction(update) if config.hog_direction == "update" else None
+    if direction is None:
+        direction = random_direction({k: p.detach() for k, p in params.items()}, seed)
+    if len(data) == 0:
+        return {k: torch.zeros_like(p) for k, p in params.items()}, True, time.perf_counter() - started
+    rows = np.random.default_rng(seed).permutation(len(data))[: config.hog_batch_size]
+    device = next(model.parameters()).device
+    inputs = torch.as_tensor(data.x[rows], device=device)
+    targets = torch.as_tensor(data.y[rows], device=device)
+    result = third_order_vector(model, inputs, targets, direction, loss="cross_entropy")
+    return result.vector, result.finite, time.perf_counter() - started
+
+
+def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def _finite_or(value: float, default: float) -> float:
+    return value if np.isfinite(value) else default

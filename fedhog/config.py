@@ -1,0 +1,214 @@
+"""One typed run configuration, validated once at the edge.
+
+The CLI, the Flower apps and the experiment scripts all turn a flat mapping of
+Flower-style kebab-case keys (``noise-multiplier = 1.0``) into a
+:class:`RunConfig`; every error names the key, the value and what is allowed.
+The defaults here are the ``[tool.flwr.app.config]`` of ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .data import PARTITIONERS, DataSpec, validate_spec
+from .models import MODELS
+from .privacy.accounting import ACCOUNTANTS
+from .privacy.mechanism import MECHANISMS, MechanismSettings
+from .privacy.sampling import SAMPLING_METHODS
+
+HOG_DIRECTIONS = ("random", "update")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value that fedhog cannot run with."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a fedhog run depends on. Field ``x_y`` is config key ``x-y``."""
+
+    # data
+    dataset: str = "mnist1d"
+    num_samples: int = 20000
+    partitioner: str = "dirichlet"
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    validation_fraction: float = 0.1
+    population: int = 1000
+    # model and local training
+    model: str = "cnn1d"
+    local_epochs: int = 1
+    batch_size: int = 16
+    learning_rate: float = 0.05
+    momentum: float = 0.0
+    device: str = "auto"
+    # federation
+    rounds: int = 30
+    sampling: str = "poisson"
+    sampling_rate: float = 0.1
+    server_learning_rate: float = 1.0
+    # privacy
+    mechanism: str = "hog"
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    mixing_strength: float = 0.5
+    hog_direction: str = "random"
+    hog_batch_size: int = 32
+    accountant: str = "rdp"
+    delta: float = 1e-5
+    max_epsilon: float = math.inf
+    # reproducibility and output
+    seed: int = 0
+    privacy_seed: int = -1
+    results_dir: str = ""
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
+        """Build and validate a config from kebab-case keys (unknown keys are errors)."""
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown config key '{key}'; known keys: {', '.join(sorted(known))}")
+            kwargs[known[key].name] = _coerce(key, value, type(getattr(cls(), known[key].name)))
+        config = cls(**kwargs)
+        config.validate()
+        try:
+            validate_spec(config.data_spec)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return config
+
+    def with_overrides(self, values: Mapping[str, Any]) -> "RunConfig":
+        """A validated copy with some keys replaced."""
+        return RunConfig.from_mapping({**self.to_mapping(), **values})
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Kebab-case keys, as Flower's run config and the TOML files hold them."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    # --- derived views -----------------------------------------------------
+    @property
+    def data_spec(self) -> DataSpec:
+        """The data this run trains and evaluates on."""
+        return DataSpec(
+            dataset=self.dataset,
+            num_samples=self.num_samples,
+            partitioner=self.partitioner,
+            num_partitions=self.population,
+            alpha=self.dirichlet_alpha,
+            classes_per_partition=self.classes_per_client,
+            validation_fraction=self.validation_fraction,
+            seed=self.seed,
+        )
+
+    @property
+    def mechanism_settings(self) -> MechanismSettings:
+        """The server-side mechanism."""
+        return MechanismSettings(
+            kind=self.mechanism,  # type: ignore[arg-type]
+            clipping_norm=self.clipping_norm,
+            noise_multiplier=self.noise_multiplier,
+            mixing_strength=self.mixing_strength if self.mechanism == "hog" else 0.0,
+        )
+
+    @property
+    def expected_cohort(self) -> int:
+        """K = q·N."""
+        return int(round(self.sampling_rate * self.population))
+
+    # --- validation --------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad key (the dataset is checked by :mod:`fedhog.data`)."""
+        _choice("partitioner", self.partitioner, PARTITIONERS)
+        _choice("model", self.model, MODELS)
+        _choice("mechanism", self.mechanism, MECHANISMS)
+        _choice("sampling", self.sampling, SAMPLING_METHODS)
+        _choice("hog-direction", self.hog_direction, HOG_DIRECTIONS)
+        _choice("accountant", self.accountant, ACCOUNTANTS)
+        _choice("device", self.device, DEVICES)
+        for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
+                    "hog-batch-size", "classes-per-client"):
+            _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
+        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "clipping-norm"):
+            value = self._get(key)
+            _check(key, value, math.isfinite(value) and value > 0, "a finite number > 0")
+        for key in ("noise-multiplier", "mixing-strength", "momentum"):
+            value = self._get(key)
+            _check(key, value, math.isfinite(value) and value >= 0, "a finite number ≥ 0")
+        _check("validation-fraction", self.validation_fraction, 0 <= self.validation_fraction < 1, "a number in [0, 1)")
+        _check("sampling-rate", self.sampling_rate, 0 < self.sampling_rate <= 1, "a number in (0, 1]")
+        cohort = self.sampling_rate * self.population
+        _check("sampling-rate", self.sampling_rate, abs(cohort - round(cohort)) < 1e-6 and round(cohort) >= 1,
+               f"a rate whose expected cohort sampling-rate × population ({cohort:g} for population={self.population}) "
+               "is a whole number ≥ 1")
+        _check("delta", self.delta, 0 < self.delta < 1, "a number in (0, 1)")
+        _check("delta", self.delta, self.delta < 1 / self.population,
+               f"δ < 1/population = {1 / self.population:g} (a larger δ allows leaking one client outright)")
+        _check("max-epsilon", self.max_epsilon, self.max_epsilon > 0 and not math.isnan(self.max_epsilon),
+               "a number > 0 or inf")
+        if math.isfinite(self.max_epsilon) and not self.mechanism_settings.has_guarantee:
+            raise ConfigError(
+                f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "
+                f"noise-multiplier={self.noise_multiplier:g} has no DP guarantee (ε = ∞)"
+            )
+        _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
+
+    def _get(self, key: str) -> Any:
+        return getattr(self, key.replace("-", "_"))
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``) and apply overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                document = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+        values = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document)
+    return RunConfig.from_mapping({**values, **(overrides or {})})
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key=value`` with the value read as TOML (bare words are strings)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def _coerce(key: str, value: Any, expected: type) -> Any:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is float and isinstance(value, str) and value.strip().lower() in ("inf", "+inf"):
+        return math.inf
+    if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {expected.__name__}")
+    return value
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; expected one of {', '.join(allowed)}")
+
+
+def _check(key: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed; expected {allowed}")
+
+
+

@@ -1,0 +1,133 @@
+"""Client-level privacy accounting over what the aggregator really released.
+
+The accountant's noise multiplier is the noise standard deviation divided by
+the L2 sensitivity of the clipped sum under the accountant's neighbouring
+relation: C for add/remove-one (Poisson sampling) but 2C for replace-one
+(fixed-size sampling), so fixed-size sampling composes σ/2, not σ.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from flwr.serverapp import RdpAccountant
+from flwr.supercore.privacy_accounting import (
+    GaussianPrivacyEvent,
+    NeighboringRelation,
+    PrivacyAccountant,
+    PrivacyConfig,
+    SamplingMethod,
+)
+
+from .sampling import SamplingKind, expected_cohort_size
+
+ACCOUNTANTS: tuple[str, ...] = ("rdp",)
+
+# dp-accounting logs a warning for every RDP order it drops as numerically unstable
+# (large q); the orders left still bound ε, so these warnings only bury the run's log.
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+_ACCOUNTING_MODELS: dict[str, tuple[SamplingMethod, NeighboringRelation, float]] = {
+    # sampling -> (Flower sampling method, neighbouring relation, sensitivity / C)
+    "poisson": (SamplingMethod.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE, 1.0),
+    "fixed": (SamplingMethod.WITHOUT_REPLACEMENT, NeighboringRelation.REPLACE_ONE, 2.0),
+}
+
+
+def accountant_noise_multiplier(noise_multiplier: float, sampling: SamplingKind) -> float:
+    """σ as the accountant must see it: noise std ÷ the sum's sensitivity."""
+    return noise_multiplier / _ACCOUNTING_MODELS[sampling][2]
+
+
+class ClientLevelAccountant:
+    """ε(δ) of the sampled Gaussian mechanism, or ∞ where there is no guarantee.
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        σ of the mechanism (noise std on the sum = σ·C). 0 means no guarantee.
+    sampling : {"poisson", "fixed"}
+        What the strategy really does each round.
+    sampling_rate : float
+        q; the expected cohort size q·N is a whole number.
+    population : int
+        N, the number of clients that can be sampled.
+    delta : float
+        The δ at which ε is reported.
+    has_guarantee : bool
+        False for mechanisms that add no calibrated noise (ε = ∞).
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sampling: SamplingKind,
+        sampling_rate: float,
+        population: int,
+        delta: float,
+        has_guarantee: bool = True,
+    ) -> None:
+        self.delta = delta
+        self.sampling = sampling
+        self._backend: PrivacyAccountant | None = None
+        self._event: GaussianPrivacyEvent | None = None
+        self.releases = 0
+        if has_guarantee and noise_multiplier > 0:
+            method, relation, _ = _ACCOUNTING_MODELS[sampling]
+            self._backend = RdpAccountant(
+                PrivacyConfig(
+                    target_delta=delta,
+                    population_size=population,
+                    neighboring_relation=relation,
+                    sampling_method=method,
+                )
+            )
+            self._event = GaussianPrivacyEvent(
+                noise_multiplier=accountant_noise_multiplier(noise_multiplier, sampling),
+                sample_size=expected_cohort_size(population, sampling_rate),
+                population_size=population,
+            )
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Whether any finite ε can be reported."""
+        return self._backend is not None
+
+    @property
+    def event(self) -> GaussianPrivacyEvent | None:
+        """The event composed for each round's release (None without a guarantee)."""
+        return self._event
+
+    def compose_round(self) -> None:
+        """Record one released round."""
+        self.releases += 1
+        if self._backend is not None:
+            self._backend.compose(self._event)
+
+    def epsilon(self) -> float:
+        """ε spent so far at δ (∞ without a guarantee, 0 before any release)."""
+        if self._backend is None:
+            return math.inf if self.releases else 0.0
+        if self.releases == 0:
+            return 0.0
+        return self._backend.get_epsilon(self.delta)
+
+    def would_exceed(self, max_epsilon: float) -> bool:
+        """Whether releasing one more round would push ε past ``max_epsilon``."""
+        if math.isinf(max_epsilon):
+            return False
+        if self._backend is None:
+            return True
+        return self._backend.would_exceed(self._event, max_epsilon=max_epsilon)
+
+    def state_dict(self) -> dict[str, object]:
+        """Serializable state (for checkpoints)."""
+        backend = None if self._backend is None else self._backend.state_dict()
+        return {"releases": self.releases, "backend": backend}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.releases = int(state["releases"])
+        if self._backend is not None:
+            self._backend.load_state_dict(state["backend"])

@@ -1,0 +1,331 @@
+"""SecureAggregator: a Flower strategy with client sampling, HOG mixing and accounting.
+
+The strategy owns the orchestration of a round (whom to ask, which replies to
+trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from .privacy.accounting import ClientLevelAccountant
+from .privacy.mechanism import Contribution, MechanismSettings, aggregate
+from .privacy.rng import PrivacyRng
+from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+
+UPDATE_KEY = "update"
+TERM_KEY = "third-order-term"
+METRICS_KEY = "metrics"
+NON_FINITE_TERM = "non-finite third-order term"
+
+
+class BadReply(ValueError):
+    """A client reply the aggregator will not use."""
+
+
+@dataclass
+class RoundRecord:
+    """What one round did, as written to ``metrics.json``."""
+
+    round: int
+    clients_sampled: int
+    clients_accepted: int = 0
+    clients_rejected: int = 0
+    epsilon: float = 0.0
+    seconds: float = 0.0
+    accuracy: float = math.nan
+    loss: float = math.nan
+    train_loss: float = math.nan
+    mean_norm_before_clip: float = math.nan
+    fraction_clipped: float = math.nan
+    noise_std: float = 0.0
+    mean_mixing_ratio: float = math.nan
+    third_order_seconds_max: float = math.nan
+    third_order_failures: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+
+
+class SecureAggregator(Strategy):
+    """Sample clients, mix third-order terms into updates, clip, noise, account.
+
+    Parameters
+    ----------
+    mechanism : MechanismSettings
+        ``none``, ``gaussian`` (DP-FedAvg) or ``hog`` (mixing + DP-FedAvg).
+    accountant : ClientLevelAccountant
+        Composes one event per released round; reports ε(δ).
+    rng : PrivacyRng
+        Dedicated generators for sampling, ξ and noise.
+    sampling : {"poisson", "fixed"}
+        Poisson sampling with rate q, or exactly q·N clients without replacement.
+    sampling_rate : float
+        q.
+    server_learning_rate : float
+        η: the global model moves by η times the aggregated update.
+    max_epsilon : float
+        Training stops before a release that would push ε above this.
+    """
+
+    def __init__(
+        self,
+        mechanism: MechanismSettings,
+        accountant: ClientLevelAccountant,
+        rng: PrivacyRng,
+        sampling: SamplingKind,
+        sampling_rate: float,
+        server_learning_rate: float = 1.0,
+        max_epsilon: float = math.inf,
+    ) -> None:
+        self.mechanism = mechanism
+        self.accountant = accountant
+        self.rng = rng
+        self.sampling = sampling
+        self.sampling_rate = sampling_rate
+        self.server_learning_rate = server_learning_rate
+        self.max_epsilon = max_epsilon
+        self.partition_of_node: dict[int, int] = {}
+        self._global: ArrayRecord | None = None
+        self._cohort: dict[int, int] = {}  # node id -> partition id of this round
+        self.current: RoundRecord | None = None
+
+    def __repr__(self) -> str:
+        m = self.mechanism
+        return (f"SecureAggregator(mechanism={m.kind!r}, C={m.clipping_norm}, σ={m.noise_multiplier}, "
+                f"γ={m.mixing_strength}, sampling={self.sampling!r}, q={self.sampling_rate}, "
+                f"η={self.server_learning_rate}, max_epsilon={self.max_epsilon})")
+
+    def summary(self) -> None:
+        """Log the settings and the privacy status at start."""
+        log(INFO, "\t├──> %r", self)
+        if self.accountant.has_guarantee:
+            event = self.accountant.event
+            log(INFO, "\t└──> accounting: %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
+                self.sampling, event.noise_multiplier, event.sample_size, event.population_size,
+                self.accountant.delta)
+        else:
+            log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
+                "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
+        if self.rng.seed_is_fixed:
+            log(WARNING, "privacy-seed is fixed: sampling and noise are reproducible and therefore "
+                "predictable; use it for experiments only")
+
+    # --- discovery -----------------------------------------------------------
+    def discover(self, grid: Grid, population: int, timeout: float) -> None:
+        """Ask every node for its partition id; sample by partition, not by node id.
+
+        Node ids are random per deployment; partition ids are what the data
+        (and so the experiment) is keyed by, which makes sampling with a fixed
+        seed reproducible across engines.
+        """
+        node_ids = sorted(grid.get_node_ids())
+        messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+        replies = grid.send_and_receive(messages, timeout=timeout)
+        mapping = {}
+        for reply in replies:
+            if not reply.has_error():
+                mapping[reply.metadata.src_node_id] = int(reply.content[METRICS_KEY]["partition-id"])
+        if sorted(mapping.values()) != list(range(population)):
+            raise RuntimeError(
+                f"population={population} but {len(node_ids)} nodes answered with partition ids covering "
+                f"{len(set(mapping.values()))} of 0..{population - 1}; start as many SuperNodes as the "
+                "population (simulation: --federation-config num-supernodes=<population>)"
+            )
+        self.partition_of_node = mapping
+
+    # --- training round ------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample this round's cohort and send it the global model."""
+        partitions = sorted(self.partition_of_node.values())
+        node_of_partition = {p: n for n, p in self.partition_of_node.items()}
+        chosen = sample_cohort(partitions, self.sampling, self.sampling_rate, self.rng.sampling)
+        self._global = arrays
+        self._cohort = {node_of_partition[p]: p for p in chosen}
+        self.current = RoundRecord(round=server_round, clients_sampled=len(chosen))
+        config["server-round"] = server_round
+        record = RecordDict({"arrays": arrays, "config": config})
+        return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in self._cohort]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, run the mechanism, apply the update, compose the event."""
+        record = self.current
+        contributions: list[tuple[int, Contribution, RecordDict]] = []
+        seen: set[int] = set()
+        for reply in replies:
+            try:
+                partition = self._check_sender(reply, seen)
+                contribution = self.read_contribution(reply)
+            except BadReply as error:
+                kind = str(error).split(":")[0]
+                record.clients_rejected += 1
+                record.rejections[kind] = record.rejections.get(kind, 0) + 1
+                record.third_order_failures += kind == NON_FINITE_TERM
+                log(WARNING, "round %d: rejected reply from node %d: %s", server_round,
+                    reply.metadata.src_node_id, error)
+                continue
+            contributions.append((partition, contribution, reply.content))
+        contributions.sort(key=lambda item: item[0])  # canonical order: ξ_i does not depend on arrival
+        record.clients_accepted = len(contributions)
+
+        keys = list(self._global.keys())
+        flat_global = _flatten(self._global, keys)
+        xis = self.rng.standard_normals(len(contributions)) if self.mechanism.kind == "hog" else [0.0] * len(contributions)
+        expected_cohort = expected_cohort_size(len(self.partition_of_node), self.sampling_rate)
+        averaged, stats = aggregate(
+            [c for _, c, _ in contributions], self.mechanism, expected_cohort,
+            xis, self.rng.noise, flat_global.numel(), flat_global.dtype,
+        )
+        if self.mechanism.kind == "none" and not contributions:
+            return None, None
+        self.accountant.compose_round()
+        new_flat = flat_global + self.server_learning_rate * averaged
+        record.epsilon = self.accountant.epsilon()
+        record.mean_norm_before_clip = stats.mean_norm_before_clip
+        record.fraction_clipped = stats.fraction_clipped
+        record.noise_std = stats.noise_std
+        record.mean_mixing_ratio = stats.mean_mixing_ratio
+        client_metrics = [content[METRICS_KEY] for _, _, content in contributions]
+        if client_metrics:
+            record.train_loss = float(np.mean([m["train-loss"] for m in client_metrics]))
+            seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
+            record.third_order_seconds_max = max(seconds) if seconds else math.nan
+        return _unflatten(new_flat, self._global, keys), MetricRecord(
+            {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
+             "clients-rejected": record.clients_rejected}
+        )
+
+    def _check_sender(self, reply: Message, seen: set[int]) -> int:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise BadReply(f"client error: {reply.error.reason}")
+        if node not in self._cohort:
+            raise BadReply("not sampled: the node was not in this round's cohort")
+        if node in seen:
+            raise BadReply("duplicate: a second reply from the same node")
+        seen.add(node)
+        return self._cohort[node]
+
+    def read_contribution(self, reply: Message) -> Contribution:
+        """Turn a reply into a flat contribution, or raise :class:`BadReply`."""
+        content = reply.content
+        if METRICS_KEY not in content.metric_records:
+            raise BadReply(f"malformed: no MetricRecord '{METRICS_KEY}'")
+        metrics = content[METRICS_KEY]
+        num_examples = metrics.get("num-examples")
+        if not isinstance(num_examples, int) or num_examples < 0:
+            raise BadReply(f"malformed: num-examples={num_examples!r}")
+        update = _read_like(content, UPDATE_KEY, self._global)
+        term = None
+        if self.mechanism.kind == "hog":
+            if metrics.get("third-order-finite", 1) == 0:
+                raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
+            term = _read_like(content, TERM_KEY, self._global)
+        return Contribution(update=update, num_examples=num_examples, term=term)
+
+    # --- no federated evaluation: the server evaluates centrally -------------
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation is off: the ServerApp evaluates on a central test set."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing to aggregate (see :meth:`configure_evaluate`)."""
+        return None
+
+    # --- the loop -------------------------------------------------------------
+    def start(  # pylint: disable=too-many-arguments
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        on_round: Callable[[RoundRecord, ArrayRecord], None] | None = None,
+    ) -> Result:
+        """Run up to ``num_rounds`` rounds; stop before a release beyond ``max_epsilon``.
+
+        Unlike :meth:`Strategy.start`, every finished round is handed to
+        ``on_round`` (which writes results), so a crash loses nothing done.
+        """
+        log(INFO, "Starting SecureAggregator for %d rounds", num_rounds)
+        self.summary()
+        result = Result()
+        arrays = initial_arrays
+        if evaluate_fn:
+            result.evaluate_metrics_serverapp[0] = evaluate_fn(0, arrays)
+        for server_round in range(1, num_rounds + 1):
+            if self.accountant.would_exceed(self.max_epsilon):
+                log(WARNING, "Stopping before round %d: its release would take ε past max-epsilon=%g "
+                    "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
+                break
+            started = time.perf_counter()
+            messages = self.configure_train(server_round, arrays, ConfigRecord(dict(train_config or {})), grid)
+            replies = grid.send_and_receive(messages, timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            record = self.current
+            if evaluate_fn:
+                metrics = evaluate_fn(server_round, arrays)
+                result.evaluate_metrics_serverapp[server_round] = metrics
+                record.accuracy, record.loss = float(metrics["accuracy"]), float(metrics["loss"])
+            record.seconds = time.perf_counter() - started
+            log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
+                server_round, record.accuracy, record.epsilon, record.clients_sampled,
+                record.clients_accepted, record.clients_rejected)
+            if on_round:
+                on_round(record, arrays)
+        result.arrays = arrays
+        return result
+
+
+def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
+    """The ArrayRecord ``key`` flattened, if it matches ``reference`` exactly."""
+    if key not in content.array_records:
+        raise BadReply(f"malformed: no ArrayRecord '{key}'")
+    record = content[key]
+    if list(record.keys()) != list(reference.keys()):
+        raise BadReply(f"wrong keys: '{key}' has {list(record.keys())[:4]}...")
+    for name in reference.keys():
+        got, want = record[name], reference[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise BadReply(f"wrong shape: '{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if got.dtype != want.dtype:
+            raise BadReply(f"wrong dtype: '{key}/{name}' is {got.dtype}, expected {want.dtype}")
+    flat = _flatten(record, list(reference.keys()))
+    if not torch.isfinite(flat).all():
+        raise BadReply(f"non-finite values: '{key}' holds NaN or inf")
+    return flat
+
+
+def _flatten(record: ArrayRecord, keys: list[str]) -> torch.Tensor:
+    return torch.cat([torch.from_numpy(np.ascontiguousarray(record[k].numpy())).reshape(-1) for k in keys])
+
+
+def _unflatten(flat: torch.Tensor, like: ArrayRecord, keys: list[str]) -> ArrayRecord:
+    out, offset = {}, 0
+    for key in keys:
+        shape = tuple(like[key].shape)
+        size = int(np.prod(shape))
+        out[key] = flat[offset:offset + size].reshape(shape).clone()
+        offset += size
+    return ArrayRecord(out)

@@ -1,0 +1,97 @@
+"""Local training, evaluation and the directions of the third-order term."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from .data import ArrayData
+
+
+def select_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def as_tensors(data: ArrayData, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arrays of ``data`` as tensors on ``device``."""
+    return torch.as_tensor(data.x, device=device), torch.as_tensor(data.y, device=device)
+
+
+def train_locally(
+    model: nn.Module,
+    data: ArrayData,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    momentum: float,
+    seed: int,
+) -> float:
+    """Run ``epochs`` of minibatch SGD on ``data``; return the mean training loss.
+
+    The shuffling order comes from ``seed`` alone, so a client's work is
+    reproducible whatever engine or process runs it.
+    """
+    if len(data) == 0:
+        return float("nan")
+    device = next(model.parameters()).device
+    x, y = as_tensors(data, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+    order_rng = np.random.default_rng(seed)
+    model.train()
+    losses = []
+    for _ in range(epochs):
+        for batch in np.array_split(order_rng.permutation(len(data)), max(1, -(-len(data) // batch_size))):
+            index = torch.as_tensor(batch, device=device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x[index]), y[index])
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return float(np.mean(losses))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: ArrayData, batch_size: int = 2048) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on ``data``."""
+    if len(data) == 0:
+        return float("nan"), float("nan")
+    device = next(model.parameters()).device
+    model.eval()
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(data), batch_size):
+        x, y = as_tensors(ArrayData(data.x[start:start + batch_size], data.y[start:start + batch_size]), device)
+        logits = model(x)
+        total_loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(dim=1) == y).sum())
+    return total_loss / len(data), correct / len(data)
+
+
+def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A direction uniform on the unit sphere of the parameter space, from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    raw = {k: torch.randn(v.shape, generator=generator, dtype=torch.float64) for k, v in like.items()}
+    return _normalised(raw, like)
+
+
+def unit_direction(vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``vector`` scaled to unit L2 norm, or None if it is zero or not finite."""
+    norm = torch.sqrt(sum((v.double() ** 2).sum() for v in vector.values()))
+    if not torch.isfinite(norm) or norm == 0:
+        return None
+    return _normalised(vector, vector)
+
+
+def _normalised(raw: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    norm = torch.sqrt(sum((v.double() ** 2).sum() for v in raw.values()))
+    return {k: (raw[k].double() / norm).to(like[k].dtype).to(like[k].device) for k in like}
+
+
+def direction_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """A per-run, per-round, per-client seed for the direction v and the shuffling."""
+    return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
