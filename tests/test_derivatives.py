@@ -18,7 +18,7 @@ from fedhog.derivatives import (
 )
 from fedhog.derivatives.losses import cross_entropy, mse
 
-METHODS = ["torch.func", "autograd"]
+METHODS = ["taylor", "torch.func", "autograd"]
 
 
 def _mlp() -> nn.Module:
@@ -157,7 +157,8 @@ def test_third_order_vector_closed_form_logistic_regression(method):
     torch.testing.assert_close(t.vector["bias"], dz.sum(0), rtol=1e-12, atol=1e-14)
 
 
-def test_directional_derivatives_closed_form_cumulants():
+@pytest.mark.parametrize("method", ["taylor", "torch.func"])
+def test_directional_derivatives_closed_form_cumulants(method):
     # dᵏ/dsᵏ lse(z + sδ) is the k-th cumulant of δ under softmax(z); −z_y only enters k = 1.
     model, x, y, v = _logistic()
     p, delta = _softmax_moments(model, x, v)
@@ -172,7 +173,7 @@ def test_directional_derivatives_closed_form_cumulants():
         (m[4] - 3 * m[2] ** 2).mean(),
         (m[5] - 10 * m[3] * m[2]).mean(),
     ])
-    d = directional_derivatives(model, x, y, v, 5)
+    d = directional_derivatives(model, x, y, v, 5, method=method)
     torch.testing.assert_close(d.values, expected.detach(), rtol=1e-11, atol=1e-13)
 
 

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from . import functional as fn
-from .losses import LossFn, get_loss
+from .losses import LossFn
 
 Params = dict[str, Tensor]
 
@@ -107,27 +106,23 @@ def all_finite(*items: Params | Tensor | None) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
+Compute = Callable[[Params, Params, Tensor, Tensor], tuple[Params | Tensor, Tensor]]
 
 
-def run_reference(
-    model: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
-    loss: str | LossFn,
-    formulation: Formulation,
-    per_example: bool,
+def evaluate(
+    model: nn.Module, inputs: Tensor, targets: Tensor, compute: Compute, per_example: bool
 ) -> tuple[Params | Tensor, Tensor]:
-    """Evaluate ``formulation(f, params)`` on the batch objective, or per example with ``vmap``."""
-    loss_fn = get_loss(loss)
+    """Run ``compute(params, buffers, inputs, targets)`` in eval mode, or per example with ``vmap``.
+
+    ``compute`` returns ``(result, loss)``; per example, both gain a leading batch dimension.
+    """
     params, buffers = model_state(model)
     with eval_mode(model):
         if not per_example:
-            return formulation(batch_objective(model, buffers, loss_fn, inputs, targets), params)
+            return compute(params, buffers, inputs, targets)
 
         def one(x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
-            f = batch_objective(model, buffers, loss_fn, x.unsqueeze(0), y.unsqueeze(0))
-            return formulation(f, params)
+            return compute(params, buffers, x.unsqueeze(0), y.unsqueeze(0))
 
         return vmap(one)(inputs, targets)
 

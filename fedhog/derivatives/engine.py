@@ -1,29 +1,87 @@
-"""Derivative quantities of a model's loss, dispatched to the fastest applicable formulation."""
+"""Derivative quantities of a model's loss, dispatched to the fastest applicable formulation.
+
+``method="auto"`` uses Taylor mode (:mod:`.taylor`) when every operation of the
+model and the loss has a Taylor rule, and nested ``torch.func`` otherwise; the
+result's ``method`` says which ran.
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
+from torch.func import grad
 
 from . import functional as fn
-from .api import HigherOrderResult, Params, check_direction, finish, model_state, run_reference
-from .losses import LossFn
+from .api import Compute, HigherOrderResult, Params, batch_objective, check_direction, evaluate, finish, model_state
+from .losses import LossFn, get_loss
+from .taylor import LOSS_SERIES, TaylorProgram, Unsupported, loss_series, program_for
 
 METHODS = ("auto", "taylor", "torch.func", "autograd")
+Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
 
 
-def _resolve(method: str, per_example: bool, available: tuple[str, ...]) -> str:
+def _program(model: nn.Module, loss: str | LossFn) -> TaylorProgram | None:
+    if not isinstance(loss, str) or loss not in LOSS_SERIES:
+        return None
+    try:
+        return program_for(model)
+    except Unsupported:
+        return None
+
+
+def _reference(model: nn.Module, loss: str | LossFn, formulation: Formulation) -> Compute:
+    loss_fn = get_loss(loss)
+
+    def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
+        return formulation(batch_objective(model, buffers, loss_fn, x, y), params)
+
+    return compute
+
+
+def _run(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    method: str,
+    per_example: bool,
+    computes: dict[str, Compute | None],
+) -> HigherOrderResult:
+    """Resolve ``method`` among the available ``computes`` and run it; auto falls back on ``Unsupported``."""
+    start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    if method == "auto":
-        return available[0]
-    if method not in available:
-        raise ValueError(f"method {method!r} is not available here; use one of {available}")
-    if method == "autograd" and per_example:
-        raise ValueError("method 'autograd' has no per-example version; use 'torch.func'")
-    return method
+    if per_example:
+        computes = {k: c for k, c in computes.items() if k != "autograd"}
+    available = [k for k, c in computes.items() if c is not None]
+    if method != "auto":
+        if method not in available:
+            raise ValueError(f"method {method!r} is not available here; use one of {available}")
+        available = [method]
+    for i, name in enumerate(available):
+        try:
+            out, value = evaluate(model, inputs, targets, computes[name], per_example)  # type: ignore[arg-type]
+        except Unsupported:
+            if method != "auto" or i == len(available) - 1:
+                raise
+            continue
+        return finish(out, value, name, start)
+    raise AssertionError("unreachable")
+
+
+def _taylor_grad(program: TaylorProgram, loss: str, v: Params, n: int, k: int, scale: float) -> Compute:
+    """``∇_θ (scale · c_k)`` where ``c`` are the Taylor coefficients of ``L(θ + s v)``."""
+    def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Params, Tensor]:
+        def coefficient(p: Params) -> tuple[Tensor, Tensor]:
+            c = loss_series(program, loss, p, buffers, v, x, y, n)
+            return scale * c[k], c[0].detach()
+
+        return grad(coefficient, has_aux=True)(params)
+
+    return compute
 
 
 def gradient(
@@ -44,23 +102,20 @@ def gradient(
     inputs, targets : Tensor
         One batch; ``L`` is the mean loss over it.
     loss : {"cross_entropy", "mse"} or callable
-        Loss ``(outputs, targets) -> scalar``.
-    method : {"auto", "torch.func", "autograd"}
-        Formulation.
+        Loss ``(outputs, targets) -> scalar``; Taylor mode needs a named loss.
+    method : {"auto", "taylor", "torch.func", "autograd"}
+        Formulation; ``"auto"`` picks the fastest available.
     per_example : bool
-        Return one gradient per example (leading batch dimension) via ``vmap``.
+        One result per example (leading batch dimension) via ``vmap``.
     """
-    start = time.perf_counter()
-    m = _resolve(method, per_example, ("torch.func", "autograd"))
-    formulation = fn.func_gradient if m == "torch.func" else fn.autograd_gradient
-    out, value = run_reference(model, inputs, targets, loss, formulation, per_example)
-    return finish(out, value, m, start)
-
-
-def _with_direction(
-    f: Callable[..., tuple[Params, Tensor]], direction: Params
-) -> Callable[[Callable[[Params], Tensor], Params], tuple[Params, Tensor]]:
-    return lambda obj, params: f(obj, params, direction)
+    program = _program(model, loss)
+    unused = model_state(model)[0]  # an order-0 series never reads the direction
+    computes: dict[str, Compute | None] = {
+        "autograd": _reference(model, loss, fn.autograd_gradient),
+        "torch.func": _reference(model, loss, fn.func_gradient),
+        "taylor": None if program is None else _taylor_grad(program, loss, unused, 1, 0, 1.0),  # type: ignore[arg-type]
+    }
+    return _run(model, inputs, targets, method, per_example, computes)
 
 
 def hessian_vector_product(
@@ -76,13 +131,16 @@ def hessian_vector_product(
     """Hessian-vector product ``∇²_θ L · v``; arguments as in :func:`gradient`.
 
     ``direction`` is keyed like ``dict(model.named_parameters())`` with the same shapes.
+    Taylor mode differentiates the first Taylor coefficient: ``∇_θ (vᵀ ∇L)``.
     """
-    start = time.perf_counter()
-    m = _resolve(method, per_example, ("torch.func", "autograd"))
     v = check_direction(direction, model_state(model)[0])
-    f = fn.func_hvp if m == "torch.func" else fn.autograd_hvp
-    out, value = run_reference(model, inputs, targets, loss, _with_direction(f, v), per_example)
-    return finish(out, value, m, start)
+    program = _program(model, loss)
+    computes: dict[str, Compute | None] = {
+        "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
+        "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
+        "taylor": None if program is None else _taylor_grad(program, loss, v, 2, 1, 1.0),  # type: ignore[arg-type]
+    }
+    return _run(model, inputs, targets, method, per_example, computes)
 
 
 def third_order_vector(
@@ -95,13 +153,19 @@ def third_order_vector(
     method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Third-order vector ``t = ∇_θ (vᵀ ∇²_θ L v)``; arguments as in :func:`hessian_vector_product`."""
-    start = time.perf_counter()
-    m = _resolve(method, per_example, ("torch.func", "autograd"))
+    """Third-order vector ``t = ∇_θ (vᵀ ∇²_θ L v)``; arguments as in :func:`hessian_vector_product`.
+
+    Taylor mode propagates the order-2 series of ``L(θ + s v)`` and differentiates
+    ``2 c₂ = vᵀ∇²L v`` with one reverse pass.
+    """
     v = check_direction(direction, model_state(model)[0])
-    f = fn.func_third_order if m == "torch.func" else fn.autograd_third_order
-    out, value = run_reference(model, inputs, targets, loss, _with_direction(f, v), per_example)
-    return finish(out, value, m, start)
+    program = _program(model, loss)
+    computes: dict[str, Compute | None] = {
+        "taylor": None if program is None else _taylor_grad(program, loss, v, 3, 2, 2.0),  # type: ignore[arg-type]
+        "torch.func": _reference(model, loss, lambda f, p: fn.func_third_order(f, p, v)),
+        "autograd": _reference(model, loss, lambda f, p: fn.autograd_third_order(f, p, v)),
+    }
+    return _run(model, inputs, targets, method, per_example, computes)
 
 
 def directional_derivatives(
@@ -117,21 +181,31 @@ def directional_derivatives(
 ) -> HigherOrderResult:
     """Derivatives ``dᵏ/dsᵏ L(θ + s v)`` at ``s = 0`` for ``k = 0 … order``.
 
-    The result's ``values[k]`` is the ``k``-th derivative (``values[0] = L``);
-    per example, ``values`` has shape ``[B, order + 1]``.
+    The result's ``values[k]`` is the ``k``-th derivative (``values[0] = L``); per
+    example, ``values`` has shape ``[B, order + 1]``.  Methods: ``"taylor"``
+    (one forward pass of order-``order`` series) or ``"torch.func"`` (nested ``jvp``).
     """
     if order < 0:
         raise ValueError("order must be non-negative")
-    start = time.perf_counter()
-    m = _resolve(method, per_example, ("torch.func",))
     v = check_direction(direction, model_state(model)[0])
+    program = _program(model, loss)
+    factorials = [float(math.factorial(k)) for k in range(order + 1)]
 
-    def formulation(obj: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
-        d = fn.func_directional(obj, params, v, order)
+    def taylor(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            c = loss_series(program, loss, params, buffers, v, x, y, order + 1)  # type: ignore[arg-type]
+            d = c * c.new_tensor(factorials)
         return d, d[0]
 
-    out, value = run_reference(model, inputs, targets, loss, formulation, per_example)
-    return finish(out, value, m, start)
+    def nested(f: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
+        d = fn.func_directional(f, params, v, order)
+        return d, d[0]
+
+    computes: dict[str, Compute | None] = {
+        "taylor": None if program is None else taylor,
+        "torch.func": _reference(model, loss, nested),
+    }
+    return _run(model, inputs, targets, method, per_example, computes)
 
 
 def hessian(
@@ -146,10 +220,7 @@ def hessian(
 
     Meant for small models: memory grows as ``P²``.
     """
-    start = time.perf_counter()
+    def dense(f: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
+        return fn.func_hessian(f, params), f(params)
 
-    def formulation(obj: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
-        return fn.func_hessian(obj, params), obj(params)
-
-    out, value = run_reference(model, inputs, targets, loss, formulation, per_example)
-    return finish(out, value, "torch.func", start)
+    return _run(model, inputs, targets, "torch.func", per_example, {"torch.func": _reference(model, loss, dense)})

@@ -1,0 +1,143 @@
+"""Truncated univariate Taylor-series arithmetic on coefficient tuples.
+
+A series is a tuple ``(c₀, c₁, …)`` of same-shaped (or broadcastable) tensors with
+``f(s) = Σ cₖ sᵏ`` (normalised coefficients, ``cₖ = f⁽ᵏ⁾(0)/k!``); coefficients past
+the end of the tuple are zero.  Each function returns ``n`` coefficients.
+Nonlinear functions use the recurrences of their first-order ODEs (Griewank &
+Walther, *Evaluating Derivatives*, ch. 13), so order ``k`` costs ``O(k²)``
+elementwise products.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+Series = tuple[Tensor, ...]
+
+
+def _ode_term(z: Sequence[Tensor], w: Sequence[Tensor], k: int) -> Tensor:
+    """``(1/k) Σ_{j=1..k} j z_j w_{k-j}``: coefficient ``k`` of ``y`` where ``y' = w z'``."""
+    terms = []
+    for j in range(1, min(k, len(z) - 1) + 1):
+        term = z[j] * w[k - j]
+        terms.append(term if j == k else term * (j / k))
+    return _sum(terms) if terms else torch.zeros_like(z[0])
+
+
+def _sum(terms: Sequence[Tensor]) -> Tensor:
+    out = terms[0]
+    for t in terms[1:]:
+        out = out + t
+    return out
+
+
+def mul(a: Series, b: Series, n: int) -> Series:
+    """Cauchy product ``a·b``."""
+    out = []
+    for k in range(min(n, len(a) + len(b) - 1)):
+        out.append(_sum([a[i] * b[k - i] for i in range(max(0, k - len(b) + 1), min(k, len(a) - 1) + 1)]))
+    return tuple(out)
+
+
+def _square_coeff(y: Sequence[Tensor], k: int) -> Tensor:
+    """Coefficient ``k`` of ``y²`` using symmetry."""
+    terms = [y[i] * y[k - i] for i in range(max(0, k - len(y) + 1), (k + 1) // 2) if k - i < len(y)]
+    total = _sum(terms) * 2 if terms else None
+    if k % 2 == 0 and k // 2 < len(y):
+        mid = y[k // 2] * y[k // 2]
+        total = mid if total is None else total + mid
+    return total if total is not None else torch.zeros_like(y[0])
+
+
+def square(a: Series, n: int) -> Series:
+    """``a²``."""
+    return tuple(_square_coeff(a, k) for k in range(min(n, 2 * len(a) - 1)))
+
+
+def exp(z: Series, n: int) -> Series:
+    """``exp(z)``: ``y' = y z'``."""
+    y = [torch.exp(z[0])]
+    for k in range(1, n):
+        y.append(_ode_term(z, y, k))
+    return tuple(y)
+
+
+def log(z: Series, n: int) -> Series:
+    """``log(z)`` for ``z₀ > 0``: ``z y' = z'``."""
+    y = [torch.log(z[0])]
+    inv = 1 / z[0]
+    for k in range(1, n):
+        terms = [y[j] * z[k - j] * (-j / k) for j in range(1, k) if k - j < len(z)]
+        if k < len(z):
+            terms.append(z[k])
+        y.append(_sum(terms) * inv if terms else torch.zeros_like(z[0]))
+    return tuple(y)
+
+
+def reciprocal(b: Series, n: int) -> Series:
+    """``1/b``: ``q_k = −(Σ_{j≥1} b_j q_{k−j}) / b₀``."""
+    q = [1 / b[0]]
+    for k in range(1, n):
+        terms = [b[j] * q[k - j] for j in range(1, min(k, len(b) - 1) + 1)]
+        q.append(-_sum(terms) * q[0] if terms else torch.zeros_like(b[0]))
+    return tuple(q)
+
+
+def tanh(z: Series, n: int) -> Series:
+    """``tanh(z)``: ``y' = (1 − y²) z'``."""
+    y = [torch.tanh(z[0])]
+    w = [1 - y[0] * y[0]]
+    for k in range(1, n):
+        y.append(_ode_term(z, w, k))
+        if k < n - 1:
+            w.append(-_square_coeff(y, k))
+    return tuple(y)
+
+
+def sigmoid(z: Series, n: int) -> Series:
+    """``σ(z)``: ``y' = (y − y²) z'``."""
+    y = [torch.sigmoid(z[0])]
+    w = [y[0] - y[0] * y[0]]
+    for k in range(1, n):
+        y.append(_ode_term(z, w, k))
+        if k < n - 1:
+            w.append(y[k] - _square_coeff(y, k))
+    return tuple(y)
+
+
+def softplus(z: Series, n: int) -> Series:
+    """``log(1 + eᶻ)``: ``y' = σ(z) z'``."""
+    s = sigmoid(z, n - 1) if n > 1 else ()
+    y = [torch.nn.functional.softplus(z[0])]
+    for k in range(1, n):
+        y.append(_ode_term(z, s, k))
+    return tuple(y)
+
+
+def gelu(z: Series, n: int) -> Series:
+    """``z Φ(z)`` (exact GELU) with ``Φ' = φ z'`` and ``φ' = −z φ z'``."""
+    phi = [torch.exp(-0.5 * z[0] * z[0]) / math.sqrt(2 * math.pi)]
+    big_phi = [0.5 * (1 + torch.erf(z[0] / math.sqrt(2)))]
+    u = [z[0] * phi[0]]  # u = z φ
+    for k in range(1, n):
+        big_phi.append(_ode_term(z, phi, k))
+        if k < n - 1:
+            phi.append(-_ode_term(z, u, k))
+            u.append(_sum([z[i] * phi[k - i] for i in range(0, min(k, len(z) - 1) + 1)]))
+    return mul(tuple(z), tuple(big_phi), n)
+
+
+def relu(z: Series, n: int) -> Series:
+    """``max(z, 0)``: exact away from ``z₀ = 0`` (higher derivatives vanish a.e.)."""
+    mask = (z[0] > 0).to(z[0].dtype)
+    return tuple(c * mask for c in z[:n])
+
+
+def leaky_relu(z: Series, n: int, slope: float) -> Series:
+    """Leaky ReLU, exact away from ``z₀ = 0``."""
+    factor = (z[0] <= 0).to(z[0].dtype) * (slope - 1) + 1
+    return tuple(c * factor for c in z[:n])
