@@ -11,10 +11,16 @@ from .engine import (
     hessian_vector_product,
     third_order_vector,
 )
+from .greeks import black_scholes_call, call_greeks
 from .losses import cross_entropy, mse
+from .step_size import StepSize, cubic_step, third_order_step_size
 
 __all__ = [
     "HigherOrderResult",
+    "StepSize",
+    "black_scholes_call",
+    "call_greeks",
+    "cubic_step",
     "cross_entropy",
     "directional_derivatives",
     "eval_mode",
@@ -22,5 +28,6 @@ __all__ = [
     "hessian",
     "hessian_vector_product",
     "mse",
+    "third_order_step_size",
     "third_order_vector",
 ]

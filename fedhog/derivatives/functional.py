@@ -8,7 +8,7 @@ formulation and baseline.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -45,14 +45,18 @@ def func_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Te
     return t, value
 
 
-def func_directional(f: ScalarFn, params: Params, v: Params, order: int) -> Tensor:
-    """Return ``[f, f', …, f⁽ᵏ⁾]`` of ``s ↦ f(θ + s v)`` at ``s = 0`` by nested ``jvp``."""
-    def nest(k: int) -> Callable[[Params], tuple[Tensor, ...]]:
+def func_directional(f: Callable[[Any], Tensor], params: Any, v: Any, order: int) -> Tensor:
+    """Return ``[f, f', …, f⁽ᵏ⁾]`` of ``s ↦ f(θ + s v)`` at ``s = 0`` by nested ``jvp``.
+
+    ``params`` and ``v`` are matching pytrees (a tensor or a dict of tensors);
+    ``f`` may return a tensor of any shape, and the result stacks along dim 0.
+    """
+    def nest(k: int) -> Callable[[Any], tuple[Tensor, ...]]:
         if k == 0:
             return lambda p: (f(p),)
         inner = nest(k - 1)
 
-        def g(p: Params) -> tuple[Tensor, ...]:
+        def g(p: Any) -> tuple[Tensor, ...]:
             values, tangents = jvp(inner, (p,), (v,))
             return (*values, tangents[-1])
 
