@@ -199,10 +199,10 @@ class SecureAggregator(Strategy):
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         client_metrics = [content[METRICS_KEY] for _, _, content in contributions]
-        if client_metrics:
-            record.train_loss = float(np.mean([m["train-loss"] for m in client_metrics]))
-            seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
-            record.third_order_seconds_max = max(seconds) if seconds else math.nan
+        losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
+        record.train_loss = float(np.mean(losses)) if losses else math.nan
+        seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
+        record.third_order_seconds_max = max(seconds) if seconds else math.nan
         return _unflatten(new_flat, self._global, keys), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
