@@ -58,7 +58,8 @@ def _toml_value(value: Any) -> str:
         return "inf" if value > 0 else "-inf"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(value)
+    # JSON string escapes are TOML's, except that TOML has no surrogate pairs and no raw DEL
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _json_safe(value: Any) -> Any:
