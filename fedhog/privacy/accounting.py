@@ -119,7 +119,11 @@ class ClientLevelAccountant:
             return False
         if self._backend is None:
             return True
-        return self._backend.would_exceed(self._event, max_epsilon=max_epsilon)
+        # Every round releases the same event, so one composition of it with count T+1
+        # answers in constant time (Flower's would_exceed replays all T events).
+        projected = RdpAccountant(self._backend.config)
+        projected.compose(self._event, count=self.releases + 1)
+        return projected.get_epsilon(self.delta) > max_epsilon
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""
