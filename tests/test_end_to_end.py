@@ -1,0 +1,122 @@
+"""Short federated runs through the in-process engine (the same Flower apps as `flwr run`)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message
+from flwr.clientapp import ClientApp
+
+from fedhog.client_app import app as fedhog_client_app
+from fedhog.config import RunConfig
+from fedhog.data import dataset_info, load_test_set
+from fedhog.models import build_model
+from fedhog.training import evaluate
+from fedhog.engine import run_in_process
+from fedhog.server_app import app as server_app
+
+SMALL = {
+    "dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5,
+    "rounds": 6, "local-epochs": 2, "learning-rate": 0.1, "clipping-norm": 2.0,
+    "noise-multiplier": 0.3, "mechanism": "hog", "privacy-seed": 7, "partitioner": "iid",
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _run(tmp_path, client_app=fedhog_client_app, **overrides) -> dict:
+    config = RunConfig().with_overrides({**SMALL, **overrides, "results-dir": str(tmp_path / "run")})
+    run_in_process(server_app, client_app, config.population, config.to_mapping())
+    return json.loads((tmp_path / "run" / "metrics.json").read_text())
+
+
+def test_hog_run_learns_and_reports_epsilon(tmp_path):
+    metrics = _run(tmp_path)
+    rounds = metrics["rounds"]
+    assert metrics["status"] == "finished"
+    assert len(rounds) == SMALL["rounds"]
+    assert rounds[-1]["accuracy"] > metrics["initial"]["accuracy"] + 0.2
+    epsilons = [r["epsilon"] for r in rounds]
+    assert all(0 < e < math.inf for e in epsilons)
+    assert epsilons == sorted(epsilons)  # ε only grows
+    assert all(r["third_order_failures"] == 0 and r["third_order_seconds_max"] > 0 for r in rounds)
+    assert all(r["mean_mixing_ratio"] > 0 for r in rounds if r["clients_accepted"])
+    # the saved model is the one evaluated in the last round
+    config = RunConfig().with_overrides(SMALL)
+    model = build_model(config.model, *dataset_info(config.data_spec))
+    model.load_state_dict(torch.load(tmp_path / "run" / "final_model.pt"))
+    assert evaluate(model, load_test_set(config.data_spec))[1] == pytest.approx(rounds[-1]["accuracy"])
+
+
+def test_fixed_privacy_seed_reproduces_the_run(tmp_path):
+    first = _run(tmp_path / "a", rounds=2)
+    second = _run(tmp_path / "b", rounds=2)
+    assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
+
+
+def test_no_mechanism_reports_infinite_epsilon(tmp_path):
+    metrics = _run(tmp_path, mechanism="none", rounds=2)
+    assert metrics["summary"]["epsilon"] == "inf"
+    assert metrics["privacy"]["has_guarantee"] is False
+
+
+def test_zero_noise_with_clipping_reports_infinite_epsilon(tmp_path):
+    metrics = _run(tmp_path, mechanism="gaussian", **{"noise-multiplier": 0.0}, rounds=1)
+    assert metrics["summary"]["epsilon"] == "inf"
+
+
+def _corrupting_client_app(bad_partitions: dict[int, str]) -> ClientApp:
+    """fedhog's ClientApp, except that some partitions send a broken reply."""
+    app = ClientApp()
+
+    @app.query()
+    def identify(msg: Message, context: Context) -> Message:
+        return fedhog_client_app(msg, context)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        fault = bad_partitions.get(int(context.node_config["partition-id"]))
+        if fault == "raise":
+            raise RuntimeError("client crashed")
+        reply = fedhog_client_app(msg, context)
+        if fault == "nan":
+            update = reply.content["update"].to_torch_state_dict()
+            next(iter(update.values()))[0] = float("nan")
+            reply.content["update"] = ArrayRecord(update)
+        elif fault == "shape":
+            update = reply.content["update"].to_torch_state_dict()
+            key = next(iter(update))
+            update[key] = torch.zeros(3)
+            reply.content["update"] = ArrayRecord(update)
+        elif fault == "missing":
+            del reply.content["update"]
+        return reply
+
+    return app
+
+
+def test_malformed_replies_are_dropped_and_the_run_completes(tmp_path):
+    faults = {0: "nan", 1: "shape", 2: "missing", 3: "raise"}
+    metrics = _run(tmp_path, client_app=_corrupting_client_app(faults), **{"sampling-rate": 1.0}, rounds=2)
+    assert metrics["status"] == "finished"
+    for record in metrics["rounds"]:
+        assert record["clients_sampled"] == 10
+        assert record["clients_rejected"] == 4
+        assert record["clients_accepted"] == 6
+        assert sum(record["rejections"].values()) == 4
+    assert metrics["summary"]["epsilon"] != "inf"
+
+
+def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
+    reference = _run(tmp_path / "ref", rounds=4)
+    budget = (reference["rounds"][1]["epsilon"] + reference["rounds"][2]["epsilon"]) / 2
+    metrics = _run(tmp_path / "capped", rounds=4, **{"max-epsilon": budget})
+    assert len(metrics["rounds"]) == 2
+    assert metrics["summary"]["stopped_by_budget"] is True
+    assert metrics["summary"]["epsilon"] <= budget
