@@ -76,7 +76,9 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         "delta": config.delta,
     })
     try:
-        strategy.discover(grid, config.population, timeout)
+        discovery_started = time.perf_counter()
+        strategy.discover(grid, config.population, timeout, identify=strategy.rng.seed_is_fixed)
+        writer.update(discovery_seconds=time.perf_counter() - discovery_started)
         initial = ArrayRecord(model.state_dict())
         baseline = evaluate_fn(0, initial)
         writer.update(initial={"accuracy": baseline["accuracy"], "loss": baseline["loss"]})

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedhog.client_app import app as fedhog_client_app
@@ -120,3 +120,30 @@ def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
     assert len(metrics["rounds"]) == 2
     assert metrics["summary"]["stopped_by_budget"] is True
     assert metrics["summary"]["epsilon"] <= budget
+
+
+@pytest.mark.parametrize("privacy_seed", [-1, 3])  # without and with partition identification
+def test_a_federation_smaller_than_the_population_is_a_clear_error(tmp_path, privacy_seed):
+    config = RunConfig().with_overrides({**SMALL, "privacy-seed": privacy_seed, "results-dir": str(tmp_path / "run")})
+    with pytest.raises(RuntimeError, match="population=10 but .*num-supernodes"):
+        run_in_process(server_app, fedhog_client_app, 8, config.to_mapping())
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_identification_keys_sampling_by_partition_id(tmp_path):
+    """With a fixed privacy seed, the cohort is the same whatever node ids the engine assigns."""
+    from fedhog.engine import InProcessGrid
+    from fedhog.server_app import build_strategy
+
+    config = RunConfig().with_overrides({**SMALL, "privacy-seed": 5})
+    cohorts = []
+    for node_id_seed in (1, 2):
+        grid = InProcessGrid(fedhog_client_app, config.population, config.to_mapping(), node_id_seed=node_id_seed)
+        strategy = build_strategy(config)
+        strategy.discover(grid, config.population, timeout=60, identify=True)
+        assert sorted(strategy.slot_of_node.values()) == list(range(config.population))
+        for node, slot in strategy.slot_of_node.items():
+            assert grid.contexts[node].node_config["partition-id"] == slot
+        messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
+        cohorts.append(sorted(strategy.slot_of_node[m.metadata.dst_node_id] for m in messages))
+    assert cohorts[0] == cohorts[1]

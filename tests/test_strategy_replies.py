@@ -52,7 +52,7 @@ def make_aggregator(kind="gaussian", sigma=0.0, clip=1.0, gamma=0.0, population=
     accountant = ClientLevelAccountant(sigma, sampling, rate, population, 1e-5 / population,
                                        has_guarantee=mechanism.has_guarantee)
     aggregator = SecureAggregator(mechanism, accountant, PrivacyRng(seed), sampling, rate, eta)
-    aggregator.partition_of_node = {node: partition for partition, node in enumerate(NODES[:population])}
+    aggregator.slot_of_node = {node: partition for partition, node in enumerate(NODES[:population])}
     messages = list(aggregator.configure_train(1, as_record(GLOBAL_FLAT), ConfigRecord(), grid=None))
     return aggregator, {m.metadata.dst_node_id: m for m in messages}
 
@@ -188,7 +188,7 @@ def test_reply_from_a_node_sampled_out_this_round_is_rejected():
     assert len(sent) == 3
     left_out = next(n for n in NODES[:6] if n not in sent)
     forged = Message(RecordDict(), dst_node_id=left_out, message_type=MessageType.TRAIN)
-    cohort = sorted(sent, key=aggregator.partition_of_node.get)
+    cohort = sorted(sent, key=aggregator.slot_of_node.get)
     replies = [reply(sent[cohort[0]], U0), reply(forged, U2), reply(sent[cohort[1]], U1)]
     result = aggregator.aggregate_train(1, replies)
     assert_round(aggregator, result, 2, {"not sampled": 1}, expected_global([U0, U1], 1.0, 3, 1.0))
@@ -234,9 +234,9 @@ def test_global_moves_by_eta_times_clipped_sum_over_k(eta, clip):
 def test_poisson_round_divides_by_expected_cohort():
     aggregator, sent = make_aggregator(population=8, rate=0.5, sampling="poisson", seed=3)
     updates = [U0, U1, U2, -U0, 2 * U1, 0.5 * U2, U0 + U1, U2 - U1]
-    replies = [reply(message, updates[aggregator.partition_of_node[node]]) for node, message in sent.items()]
+    replies = [reply(message, updates[aggregator.slot_of_node[node]]) for node, message in sent.items()]
     result = aggregator.aggregate_train(1, replies)
-    used = [updates[aggregator.partition_of_node[node]] for node in sent]
+    used = [updates[aggregator.slot_of_node[node]] for node in sent]
     assert_round(aggregator, result, len(sent), {}, expected_global(used, 1.0, 4, 1.0))
 
 
