@@ -51,6 +51,8 @@ class InProcessGrid(Grid):
         }
         self._run = Run.create_empty(1)
         self._replies: dict[str, Message] = {}
+        # Messages take their run and sender from the task identity, as in a ServerApp process.
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, self._run.run_id, SUPERLINK_NODE_ID
 
     def set_run(self, run: Run) -> None:
         """Set the run this grid serves."""
@@ -107,7 +109,5 @@ class InProcessGrid(Grid):
 def run_in_process(server_app: ServerApp, client_app: ClientApp, num_nodes: int, run_config: dict) -> None:
     """Run ``server_app`` against ``num_nodes`` in-process nodes running ``client_app``."""
     grid = InProcessGrid(client_app, num_nodes, run_config)
-    # Messages take their run and sender from the task identity, as in a ServerApp process.
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, grid.run.run_id, SUPERLINK_NODE_ID
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config))
     server_app(grid, context)
