@@ -56,13 +56,14 @@ class HigherOrderResult:
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode and restore every submodule's flag afterwards."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
     try:
         yield
     finally:
-        for m, flag in flags:
-            m.train(flag)
+        for m in training:
+            m.training = True
 
 
 def model_state(model: nn.Module) -> tuple[Params, Params]:
@@ -96,14 +97,16 @@ def check_direction(direction: Params, params: Params) -> Params:
 
 
 def all_finite(*items: Params | Tensor | None) -> bool:
-    """Return whether every tensor in ``items`` is finite."""
+    """Return whether every tensor in ``items`` is finite (one synchronisation)."""
     tensors: list[Tensor] = []
     for item in items:
         if isinstance(item, dict):
             tensors.extend(item.values())
         elif item is not None:
             tensors.append(item)
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    # the max-norm propagates NaN and is infinite exactly when an entry is
+    norms = [torch.linalg.vector_norm(t.detach().reshape(-1), float("inf")) for t in tensors if t.numel()]
+    return bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
 
 
 Compute = Callable[[Params, Params, Tensor, Tensor], tuple[Params | Tensor, Tensor]]

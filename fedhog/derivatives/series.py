@@ -5,7 +5,7 @@ A series is a tuple ``(c₀, c₁, …)`` of same-shaped (or broadcastable) tens
 the end of the tuple are zero.  Each function returns ``n`` coefficients.
 Nonlinear functions use the recurrences of their first-order ODEs (Griewank &
 Walther, *Evaluating Derivatives*, ch. 13), so order ``k`` costs ``O(k²)``
-elementwise products.
+elementwise products, each one fused ``addcmul`` kernel.
 """
 
 from __future__ import annotations
@@ -17,45 +17,45 @@ import torch
 from torch import Tensor
 
 Series = tuple[Tensor, ...]
+Term = tuple[float, Tensor, Tensor]
+
+
+def combine(terms: Sequence[Term], like: Tensor) -> Tensor:
+    """``Σ c·a·b`` over ``(c, a, b)`` as a chain of ``addcmul`` (zeros if empty)."""
+    if not terms:
+        return torch.zeros_like(like)
+    ordered = sorted(terms, key=lambda t: t[0] != 1.0)  # start from a unit term if there is one
+    c, a, b = ordered[0]
+    out = a * b if c == 1.0 else torch.mul(a, b).mul(c)
+    for c, a, b in ordered[1:]:
+        out = torch.addcmul(out, a, b, value=c)
+    return out
 
 
 def _ode_term(z: Sequence[Tensor], w: Sequence[Tensor], k: int) -> Tensor:
-    """``(1/k) Σ_{j=1..k} j z_j w_{k-j}``: coefficient ``k`` of ``y`` where ``y' = w z'``."""
-    terms = []
-    for j in range(1, min(k, len(z) - 1) + 1):
-        term = z[j] * w[k - j]
-        terms.append(term if j == k else term * (j / k))
-    return _sum(terms) if terms else torch.zeros_like(z[0])
+    """Coefficient ``k`` of ``y`` where ``y' = w z'``: ``(1/k) Σ_{j=1..k} j z_j w_{k−j}``."""
+    return combine([(j / k, z[j], w[k - j]) for j in range(1, min(k, len(z) - 1) + 1)], z[0])
 
 
-def _sum(terms: Sequence[Tensor]) -> Tensor:
-    out = terms[0]
-    for t in terms[1:]:
-        out = out + t
-    return out
+def _square_terms(y: Sequence[Tensor], k: int, scale: float) -> list[Term]:
+    """Terms of ``scale · (y²)_k`` using symmetry."""
+    terms = [(2 * scale, y[i], y[k - i]) for i in range((k + 1) // 2) if k - i < len(y)]
+    if k % 2 == 0 and k // 2 < len(y):
+        terms.append((scale, y[k // 2], y[k // 2]))
+    return terms
 
 
 def mul(a: Series, b: Series, n: int) -> Series:
     """Cauchy product ``a·b``."""
-    out = []
-    for k in range(min(n, len(a) + len(b) - 1)):
-        out.append(_sum([a[i] * b[k - i] for i in range(max(0, k - len(b) + 1), min(k, len(a) - 1) + 1)]))
-    return tuple(out)
-
-
-def _square_coeff(y: Sequence[Tensor], k: int) -> Tensor:
-    """Coefficient ``k`` of ``y²`` using symmetry."""
-    terms = [y[i] * y[k - i] for i in range(max(0, k - len(y) + 1), (k + 1) // 2) if k - i < len(y)]
-    total = _sum(terms) * 2 if terms else None
-    if k % 2 == 0 and k // 2 < len(y):
-        mid = y[k // 2] * y[k // 2]
-        total = mid if total is None else total + mid
-    return total if total is not None else torch.zeros_like(y[0])
+    return tuple(
+        combine([(1.0, a[i], b[k - i]) for i in range(max(0, k - len(b) + 1), min(k, len(a) - 1) + 1)], a[0])
+        for k in range(min(n, len(a) + len(b) - 1))
+    )
 
 
 def square(a: Series, n: int) -> Series:
     """``a²``."""
-    return tuple(_square_coeff(a, k) for k in range(min(n, 2 * len(a) - 1)))
+    return tuple(combine(_square_terms(a, k, 1.0), a[0]) for k in range(min(n, 2 * len(a) - 1)))
 
 
 def exp(z: Series, n: int) -> Series:
@@ -71,10 +71,12 @@ def log(z: Series, n: int) -> Series:
     y = [torch.log(z[0])]
     inv = 1 / z[0]
     for k in range(1, n):
-        terms = [y[j] * z[k - j] * (-j / k) for j in range(1, k) if k - j < len(z)]
-        if k < len(z):
-            terms.append(z[k])
-        y.append(_sum(terms) * inv if terms else torch.zeros_like(z[0]))
+        terms = [(-j / k, y[j], z[k - j]) for j in range(1, k) if k - j < len(z)]
+        if k >= len(z):
+            num = combine(terms, z[0])
+        else:
+            num = combine(terms, z[0]) + z[k] if terms else z[k]
+        y.append(num * inv)
     return tuple(y)
 
 
@@ -82,8 +84,7 @@ def reciprocal(b: Series, n: int) -> Series:
     """``1/b``: ``q_k = −(Σ_{j≥1} b_j q_{k−j}) / b₀``."""
     q = [1 / b[0]]
     for k in range(1, n):
-        terms = [b[j] * q[k - j] for j in range(1, min(k, len(b) - 1) + 1)]
-        q.append(-_sum(terms) * q[0] if terms else torch.zeros_like(b[0]))
+        q.append(combine([(-1.0, b[j], q[k - j]) for j in range(1, min(k, len(b) - 1) + 1)], b[0]) * q[0])
     return tuple(q)
 
 
@@ -94,7 +95,7 @@ def tanh(z: Series, n: int) -> Series:
     for k in range(1, n):
         y.append(_ode_term(z, w, k))
         if k < n - 1:
-            w.append(-_square_coeff(y, k))
+            w.append(combine(_square_terms(y, k, -1.0), z[0]))
     return tuple(y)
 
 
@@ -105,7 +106,7 @@ def sigmoid(z: Series, n: int) -> Series:
     for k in range(1, n):
         y.append(_ode_term(z, w, k))
         if k < n - 1:
-            w.append(y[k] - _square_coeff(y, k))
+            w.append(y[k] + combine(_square_terms(y, k, -1.0), z[0]))
     return tuple(y)
 
 
@@ -127,7 +128,7 @@ def gelu(z: Series, n: int) -> Series:
         big_phi.append(_ode_term(z, phi, k))
         if k < n - 1:
             phi.append(-_ode_term(z, u, k))
-            u.append(_sum([z[i] * phi[k - i] for i in range(0, min(k, len(z) - 1) + 1)]))
+            u.append(combine([(1.0, z[i], phi[k - i]) for i in range(0, min(k, len(z) - 1) + 1)], z[0]))
     return mul(tuple(z), tuple(big_phi), n)
 
 

@@ -52,7 +52,7 @@ class Jet:
         """First ``m`` coefficients stacked along a new leading dimension."""
         if self._stacked is None:
             self._stacked = torch.stack(self.coeffs)
-        return self._stacked[:m]
+        return self._stacked if m == len(self.coeffs) else self._stacked[:m]
 
 
 def _series(a: Jet | Tensor) -> tuple[Tensor, ...]:
@@ -151,20 +151,32 @@ def _matmul(a: Any, b: Any, n: int) -> Any:
     return bilinear(torch.matmul, torch.matmul, a, b, n)
 
 
-def _elementwise(fn: Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]) -> Callable[..., Any]:
-    def rule(n: int, x: Any) -> Any:
-        return Jet(fn(x.coeffs, n)) if isinstance(x, Jet) else None
-
-    return rule
+def _unary(fn: Callable[..., tuple[Tensor, ...]], x: Any, n: int, *extra: Any) -> Any:
+    """Apply a series function to a jet, or its value part to a constant."""
+    return _wrap(fn(x.coeffs, n, *extra)) if isinstance(x, Jet) else fn((x,), 1, *extra)[0]
 
 
 def _linear_rule(n: int, x: Any, w: Any, b: Any = None) -> Any:
+    if not isinstance(x, Jet) and b is not None:  # constant input: fold each bias coefficient into its matmul
+        ws, bs = _series(w), _series(b)
+        if len(bs) <= len(ws):
+            return _wrap([F.linear(x, wj, bs[j] if j < len(bs) else None) for j, wj in enumerate(ws[:n])])
     y = bilinear(F.linear, F.linear, x, w, n)
     return y if b is None else _add(y, b)
 
 
-def _add(a: Any, b: Any) -> Any:
-    return per_coefficient(operator.add, (a, b), {}, zero_consts=True)
+def _add(a: Any, b: Any, sign: float = 1.0) -> Any:
+    """``a + sign·b`` coefficient by coefficient; constants and numbers only enter ``c₀``."""
+    sa, sb = _series(a), _series(b) if isinstance(b, (Tensor, Jet)) else (b,)
+    out = [sa[0] + sb[0] if sign == 1.0 else sa[0] - sb[0]]
+    shape = out[0].shape
+    for k in range(1, max(len(sa), len(sb))):
+        if k < len(sa) and k < len(sb):
+            out.append(sa[k] + sb[k] if sign == 1.0 else sa[k] - sb[k])
+        else:
+            c = sa[k] if k < len(sa) else (sb[k] if sign == 1.0 else -sb[k])
+            out.append(c if c.shape == shape else c.expand(shape))
+    return _wrap(out)
 
 
 def _conv_rule(conv: Callable[..., Tensor]) -> Callable[..., Any]:
@@ -216,18 +228,24 @@ def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
     if target in _SMOOTH:
         if kwargs or len(args) != 1:
             raise Unsupported(f"{target} with extra arguments")
-        return Jet(_SMOOTH[target](args[0].coeffs, n))
+        return _unary(_SMOOTH[target], args[0], n)
     if target is F.gelu:
         if kwargs.get("approximate", "none") != "none":
             raise Unsupported("tanh-approximated GELU")
-        return Jet(series.gelu(args[0].coeffs, n))
+        return _unary(series.gelu, args[0], n)
     if target is F.softplus:
         return _softplus(n, args[0], *args[1:], **kwargs)
     if target is F.leaky_relu:
         slope = kwargs.get("negative_slope", args[1] if len(args) > 1 else 0.01)
-        return Jet(series.leaky_relu(args[0].coeffs, n, slope))
+        return _unary(series.leaky_relu, args[0], n, slope)
     if target in _LINEAR_OPS:
         return per_coefficient(f, args, kwargs, zero_consts=False)
+    if target in _ADD_SUB and len(args) == 2 and not kwargs:
+        a, b = args
+        sign = -1.0 if target in (operator.sub, torch.sub, "sub") else 1.0
+        if isinstance(a, Jet):
+            return _add(a, b, sign)
+        return _add(b if sign == 1.0 else _call(operator.neg, n, (b,), {}), a)
     if target in _AFFINE_OPS:
         like = next(a for a in args if isinstance(a, Jet)).primal if target in _ADD_SUB else None
         args = tuple(like.new_tensor(a) if like is not None and isinstance(a, (int, float)) else a for a in args)
@@ -248,9 +266,8 @@ def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
 def _softplus(n: int, x: Any, beta: float = 1.0, threshold: float = 20.0) -> Any:
     """Softplus; the linear regime past ``threshold`` differs from log(1+eᶻ) by < e⁻²⁰."""
     if beta == 1.0:
-        return Jet(series.softplus(x.coeffs, n))
-    scaled = series.softplus(tuple(c * beta for c in x.coeffs), n)
-    return Jet(tuple(c / beta for c in scaled))
+        return _unary(series.softplus, x, n)
+    return _call(operator.truediv, n, (_unary(series.softplus, _call(operator.mul, n, (x, beta), {}), n), beta), {})
 
 
 def _batchnorm(n: int, m: nn.Module, x: Any, w: Any, b: Any) -> Any:
@@ -278,13 +295,13 @@ def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
         return lambda n, x, w, b: _conv_rule(conv)(n, x, w, b, m.stride, m.padding, m.dilation, m.groups)
     smooth = {nn.Tanh: series.tanh, nn.Sigmoid: series.sigmoid, nn.ReLU: series.relu}
     if t in smooth:
-        return lambda n, x, w, b: Jet(smooth[t](x.coeffs, n))
+        return lambda n, x, w, b: _unary(smooth[t], x, n)
     if t is nn.GELU and m.approximate == "none":
-        return lambda n, x, w, b: Jet(series.gelu(x.coeffs, n))
+        return lambda n, x, w, b: _unary(series.gelu, x, n)
     if t is nn.Softplus:
         return lambda n, x, w, b: _softplus(n, x, m.beta, m.threshold)
     if t is nn.LeakyReLU:
-        return lambda n, x, w, b: Jet(series.leaky_relu(x.coeffs, n, m.negative_slope))
+        return lambda n, x, w, b: _unary(series.leaky_relu, x, n, m.negative_slope)
     if t in (nn.Identity, nn.Dropout):
         return lambda n, x, w, b: x
     if t is nn.Flatten:
@@ -388,13 +405,32 @@ def program_for(model: nn.Module) -> TaylorProgram:
 
 
 def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tensor:
-    """Coefficients ``[n]`` of the mean softmax cross-entropy along ``s``."""
+    """Coefficients ``[n]`` of the mean softmax cross-entropy along ``s``.
+
+    Up to order 2 the log-sum-exp coefficients are softmax moments
+    (``E_p z₁``, ``E_p z₂ + Var_p(z₁)/2``); beyond, exp/log series recurrences.
+    """
     z = _series(logits)
+    idx = targets.long().unsqueeze(-1)
+    picked = [(z[k].gather(-1, idx).squeeze(-1) if k < len(z) else None) for k in range(n)]
+    if n <= 3:
+        lse0 = torch.logsumexp(z[0], dim=-1)
+        coeffs = [(lse0 - picked[0]).mean()]
+        if n > 1:
+            p = torch.exp(z[0] - lse0.unsqueeze(-1))
+            pz1 = p * z[1] if len(z) > 1 else torch.zeros_like(p)
+            m1 = pz1.sum(-1)
+            coeffs.append((m1 - picked[1]).mean() if len(z) > 1 else m1.mean())
+        if n > 2:
+            c2 = 0.5 * ((pz1 * z[1]).sum(-1) - m1 * m1) if len(z) > 1 else torch.zeros_like(m1)
+            if len(z) > 2:
+                c2 = c2 + (p * z[2]).sum(-1) - picked[2]
+            coeffs.append(c2.mean())
+        return torch.stack(coeffs)
     shift = z[0].detach().amax(dim=-1, keepdim=True)
     e = series.exp((z[0] - shift,) + z[1:], n)
     lse = series.log(tuple(c.sum(-1) for c in e), n)
-    idx = targets.long().unsqueeze(-1)
-    coeffs = [(lse[k] - (z[k].gather(-1, idx).squeeze(-1) if k < len(z) else 0)).mean() for k in range(n)]
+    coeffs = [(lse[k] - picked[k]).mean() if picked[k] is not None else lse[k].mean() for k in range(n)]
     coeffs[0] = coeffs[0] + shift.mean()
     return torch.stack(coeffs)
 
