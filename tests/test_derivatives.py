@@ -192,6 +192,35 @@ def test_hessian_closed_form_linear_mse():
     torch.testing.assert_close(h, blocks, rtol=1e-12, atol=1e-14)
 
 
+def test_hessian_closed_form_tiny_mlp():
+    # f(x) = a·tanh(w x + b), L = mean (f − y)²; derivatives by hand with h' = 1 − h², h'' = −2 h h'.
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 1, bias=False)).double()
+    x, y = torch.randn(7, 1, dtype=torch.float64), torch.randn(7, 1, dtype=torch.float64)
+    w, b, a = model[0].weight.item(), model[0].bias.item(), model[2].weight.item()
+    x1, y1 = x.squeeze(1), y.squeeze(1)
+    h = torch.tanh(w * x1 + b)
+    h1 = 1 - h * h
+    h2 = -2 * h * h1
+    r = a * h - y1
+    curv = a * a * h1 * h1 + r * a * h2
+    cross = h1 * (a * h + r)
+    m = lambda t: 2 * t.mean()  # noqa: E731
+    expected = torch.tensor([  # order: w, b, a
+        [m(x1 * x1 * curv), m(x1 * curv), m(x1 * cross)],
+        [m(x1 * curv), m(curv), m(cross)],
+        [m(x1 * cross), m(cross), m(h * h)],
+    ], dtype=torch.float64)
+    torch.testing.assert_close(hessian(model, x, y, loss="mse").values, expected, rtol=1e-12, atol=1e-14)
+    v = {"0.weight": torch.tensor([[0.3]], dtype=torch.float64), "0.bias": torch.tensor([-0.7], dtype=torch.float64),
+         "2.weight": torch.tensor([[0.5]], dtype=torch.float64)}
+    flat_v = torch.tensor([0.3, -0.7, 0.5], dtype=torch.float64)
+    for method in METHODS:
+        hv = hessian_vector_product(model, x, y, v, loss="mse", method=method).vector
+        got = torch.stack([hv["0.weight"].reshape(()), hv["0.bias"].reshape(()), hv["2.weight"].reshape(())])
+        torch.testing.assert_close(got, expected @ flat_v, rtol=1e-12, atol=1e-14)
+
+
 def test_non_finite_is_reported():
     model, x, y, v = _logistic()
     with torch.no_grad():

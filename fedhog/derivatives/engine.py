@@ -1,8 +1,10 @@
 """Derivative quantities of a model's loss, dispatched to the fastest applicable formulation.
 
-``method="auto"`` uses Taylor mode (:mod:`.taylor`) when every operation of the
-model and the loss has a Taylor rule, and nested ``torch.func`` otherwise; the
-result's ``method`` says which ran.
+``method="auto"`` tries the formulations in the order of each ``computes`` dict
+(fastest first as measured by ``simulations/bench_derivatives.py``): Taylor mode
+(:mod:`.taylor`) when every operation of the model and the loss has a Taylor
+rule, then nested ``autograd``/``torch.func``; the result's ``method`` says
+which ran.
 """
 
 from __future__ import annotations
@@ -151,9 +153,9 @@ def hessian_vector_product(
     v = check_direction(direction, model_state(model)[0])
     program = _program(model, loss)
     computes: dict[str, Compute | None] = {
-        "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
-        "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
         "taylor": None if program is None else _taylor_grad(program, loss, v, 2, 1, 1.0, per_example),  # type: ignore[arg-type]
+        "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
+        "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
     }
     return _run(model, inputs, targets, method, per_example, computes)
 
