@@ -104,22 +104,31 @@ def all_finite(*items: Params | Tensor | None) -> bool:
             tensors.extend(item.values())
         elif item is not None:
             tensors.append(item)
+    tensors = [t.detach() for t in tensors if t.numel()]
+    if not tensors:
+        return True
     # the max-norm propagates NaN and is infinite exactly when an entry is
-    norms = [torch.linalg.vector_norm(t.detach().reshape(-1), float("inf")) for t in tensors if t.numel()]
-    return bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return bool(torch.isfinite(torch.stack([n.to(torch.float64) for n in norms])).all())
 
 
 Compute = Callable[[Params, Params, Tensor, Tensor], tuple[Params | Tensor, Tensor]]
 
 
 def evaluate(
-    model: nn.Module, inputs: Tensor, targets: Tensor, compute: Compute, per_example: bool
+    model: nn.Module,
+    state: tuple[Params, Params],
+    inputs: Tensor,
+    targets: Tensor,
+    compute: Compute,
+    per_example: bool,
 ) -> tuple[Params | Tensor, Tensor]:
     """Run ``compute(params, buffers, inputs, targets)`` in eval mode, or per example with ``vmap``.
 
-    ``compute`` returns ``(result, loss)``; per example, both gain a leading batch dimension.
+    ``state`` is ``model_state(model)``; ``compute`` returns ``(result, loss)``, and
+    per example both gain a leading batch dimension.
     """
-    params, buffers = model_state(model)
+    params, buffers = state
     with eval_mode(model):
         if not per_example:
             return compute(params, buffers, inputs, targets)

@@ -46,6 +46,7 @@ def _reference(model: nn.Module, loss: str | LossFn, formulation: Formulation) -
 
 def _run(
     model: nn.Module,
+    state: tuple[Params, Params],
     inputs: Tensor,
     targets: Tensor,
     method: str,
@@ -65,7 +66,7 @@ def _run(
         available = [method]
     for i, name in enumerate(available):
         try:
-            out, value = evaluate(model, inputs, targets, computes[name], per_example)  # type: ignore[arg-type]
+            out, value = evaluate(model, state, inputs, targets, computes[name], per_example)  # type: ignore[arg-type]
         except Unsupported:
             if method != "auto" or i == len(available) - 1:
                 raise
@@ -126,13 +127,14 @@ def gradient(
         One result per example (leading batch dimension) via ``vmap``.
     """
     program = _program(model, loss)
-    unused = model_state(model)[0]  # an order-0 series never reads the direction
+    state = model_state(model)
+    unused = state[0]  # an order-0 series never reads the direction
     computes: dict[str, Compute | None] = {
         "autograd": _reference(model, loss, fn.autograd_gradient),
         "torch.func": _reference(model, loss, fn.func_gradient),
         "taylor": None if program is None else _taylor_grad(program, loss, unused, 1, 0, 1.0, per_example),  # type: ignore[arg-type]
     }
-    return _run(model, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes)
 
 
 def hessian_vector_product(
@@ -150,14 +152,15 @@ def hessian_vector_product(
     ``direction`` is keyed like ``dict(model.named_parameters())`` with the same shapes.
     Taylor mode differentiates the first Taylor coefficient: ``∇_θ (vᵀ ∇L)``.
     """
-    v = check_direction(direction, model_state(model)[0])
+    state = model_state(model)
+    v = check_direction(direction, state[0])
     program = _program(model, loss)
     computes: dict[str, Compute | None] = {
         "taylor": None if program is None else _taylor_grad(program, loss, v, 2, 1, 1.0, per_example),  # type: ignore[arg-type]
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
         "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
     }
-    return _run(model, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes)
 
 
 def third_order_vector(
@@ -175,14 +178,15 @@ def third_order_vector(
     Taylor mode propagates the order-2 series of ``L(θ + s v)`` and differentiates
     ``2 c₂ = vᵀ∇²L v`` with one reverse pass.
     """
-    v = check_direction(direction, model_state(model)[0])
+    state = model_state(model)
+    v = check_direction(direction, state[0])
     program = _program(model, loss)
     computes: dict[str, Compute | None] = {
         "taylor": None if program is None else _taylor_grad(program, loss, v, 3, 2, 2.0, per_example),  # type: ignore[arg-type]
         "torch.func": _reference(model, loss, lambda f, p: fn.func_third_order(f, p, v)),
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_third_order(f, p, v)),
     }
-    return _run(model, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes)
 
 
 def directional_derivatives(
@@ -204,7 +208,8 @@ def directional_derivatives(
     """
     if order < 0:
         raise ValueError("order must be non-negative")
-    v = check_direction(direction, model_state(model)[0])
+    state = model_state(model)
+    v = check_direction(direction, state[0])
     program = _program(model, loss)
     factorials = [float(math.factorial(k)) for k in range(order + 1)]
 
@@ -222,7 +227,7 @@ def directional_derivatives(
         "taylor": None if program is None else taylor,
         "torch.func": _reference(model, loss, nested),
     }
-    return _run(model, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes)
 
 
 def hessian(
@@ -240,4 +245,5 @@ def hessian(
     def dense(f: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
         return fn.func_hessian(f, params), f(params)
 
-    return _run(model, inputs, targets, "torch.func", per_example, {"torch.func": _reference(model, loss, dense)})
+    computes: dict[str, Compute | None] = {"torch.func": _reference(model, loss, dense)}
+    return _run(model, model_state(model), inputs, targets, "torch.func", per_example, computes)
