@@ -66,8 +66,8 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(global_state)
     global_state = {k: v.to(device) for k, v in global_state.items()}
 
-    train_loss = train_locally(model, train_data, config.local_epochs, config.batch_size,
-                               config.learning_rate, config.momentum, seed)
+    local = train_locally(model, train_data, config.local_epochs, config.batch_size,
+                          config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
     _, validation_accuracy = evaluate(model, validation_data)
 
@@ -75,7 +75,9 @@ def train(msg: Message, context: Context) -> Message:
     metrics: dict[str, float | int] = {
         "partition-id": partition_id,
         "num-examples": len(train_data),
-        "train-loss": _finite_or(train_loss, -1.0),
+        "train-loss": _finite_or(local.mean_loss, -1.0),
+        "local-steps": local.steps,
+        "hog-step-cubic-steps": local.cubic_steps,
         "validation-accuracy": _finite_or(validation_accuracy, -1.0),
     }
     if config.mechanism == "hog":

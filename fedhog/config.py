@@ -20,6 +20,7 @@ from .models import MODELS
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
+from .training import OPTIMIZERS
 
 HOG_DIRECTIONS = ("random", "update")
 DEVICES = ("auto", "cpu", "cuda")
@@ -47,6 +48,7 @@ class RunConfig:
     batch_size: int = 16
     learning_rate: float = 0.05
     momentum: float = 0.0
+    optimizer: str = "sgd"
     device: str = "auto"
     # federation
     rounds: int = 30
@@ -133,6 +135,7 @@ class RunConfig:
         _choice("hog-direction", self.hog_direction, HOG_DIRECTIONS)
         _choice("accountant", self.accountant, ACCOUNTANTS)
         _choice("device", self.device, DEVICES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
                     "hog-batch-size", "classes-per-client"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
@@ -142,6 +145,8 @@ class RunConfig:
         for key in ("noise-multiplier", "mixing-strength", "momentum"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value >= 0, "a finite number ≥ 0")
+        _check("momentum", self.momentum, self.optimizer == "sgd" or self.momentum == 0,
+               "0 with optimizer='hog-step' (momentum applies to sgd only)")
         _check("validation-fraction", self.validation_fraction, 0 <= self.validation_fraction < 1, "a number in [0, 1)")
         _check("sampling-rate", self.sampling_rate, 0 < self.sampling_rate <= 1, "a number in (0, 1]")
         cohort = self.sampling_rate * self.population

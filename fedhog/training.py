@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
 
 from .data import ArrayData
+from .derivatives import third_order_step_size
+
+OPTIMIZERS = ("sgd", "hog-step")
 
 
 def select_device(name: str) -> torch.device:
@@ -23,6 +28,15 @@ def as_tensors(data: ArrayData, device: torch.device) -> tuple[torch.Tensor, tor
     return torch.as_tensor(data.x, device=device), torch.as_tensor(data.y, device=device)
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """What a client's local training did."""
+
+    mean_loss: float
+    steps: int
+    cubic_steps: int  # hog-step only: steps taken at the cubic model's minimiser (not clipped, no fallback)
+
+
 def train_locally(
     model: nn.Module,
     data: ArrayData,
@@ -31,29 +45,39 @@ def train_locally(
     learning_rate: float,
     momentum: float,
     seed: int,
-) -> float:
-    """Run ``epochs`` of minibatch SGD on ``data``; return the mean training loss.
+    optimizer: str = "sgd",
+) -> LocalTraining:
+    """Run ``epochs`` of minibatch training on ``data``.
 
-    The shuffling order comes from ``seed`` alone, so a client's work is
-    reproducible whatever engine or process runs it.
+    ``optimizer = "sgd"`` is SGD with momentum; ``"hog-step"`` steps along
+    −∇L by the minimiser of the cubic model built from the first three
+    directional derivatives (:func:`fedhog.derivatives.third_order_step_size`),
+    at most ``learning_rate``. The shuffling order comes from ``seed`` alone,
+    so a client's work is reproducible whatever engine or process runs it.
     """
     if len(data) == 0:
-        return float("nan")
+        return LocalTraining(float("nan"), 0, 0)
     device = next(model.parameters()).device
     x, y = as_tensors(data, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+    sgd = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
     order_rng = np.random.default_rng(seed)
     model.train()
-    losses = []
+    losses, cubic_steps = [], 0
     for _ in range(epochs):
         for batch in np.array_split(order_rng.permutation(len(data)), max(1, -(-len(data) // batch_size))):
             index = torch.as_tensor(batch, device=device)
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer == "hog-step":
+                step = third_order_step_size(model, x[index], y[index], max_step=learning_rate,
+                                             fallback_step=min(1e-2, learning_rate))
+                cubic_steps += step.reason == "cubic minimiser"
+                for group in sgd.param_groups:
+                    group["lr"] = step.step
+            sgd.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x[index]), y[index])
             loss.backward()
-            optimizer.step()
+            sgd.step()
             losses.append(loss.item())
-    return float(np.mean(losses))
+    return LocalTraining(float(np.mean(losses)), len(losses), cubic_steps)
 
 
 @torch.no_grad()
