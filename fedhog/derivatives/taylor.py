@@ -34,25 +34,14 @@ class Unsupported(Exception):
 class Jet:
     """Truncated Taylor series ``Σ cₖ sᵏ`` of a tensor; missing trailing coefficients are zero."""
 
-    __slots__ = ("coeffs", "_stacked")
+    __slots__ = ("coeffs",)
 
-    def __init__(self, coeffs: Sequence[Tensor], stacked: Tensor | None = None) -> None:
+    def __init__(self, coeffs: Sequence[Tensor]) -> None:
         self.coeffs = tuple(coeffs)
-        self._stacked = stacked
-
-    @classmethod
-    def from_stacked(cls, stacked: Tensor) -> Jet:
-        return cls(stacked.unbind(0), stacked)
 
     @property
     def primal(self) -> Tensor:
         return self.coeffs[0]
-
-    def stacked(self, m: int) -> Tensor:
-        """First ``m`` coefficients stacked along a new leading dimension."""
-        if self._stacked is None:
-            self._stacked = torch.stack(self.coeffs)
-        return self._stacked if m == len(self.coeffs) else self._stacked[:m]
 
 
 def _series(a: Jet | Tensor) -> tuple[Tensor, ...]:
@@ -108,28 +97,19 @@ def per_coefficient(f: Callable[..., Tensor], args: tuple, kwargs: dict, zero_co
     return _wrap(out)
 
 
-def bilinear(
-    single: Callable[[Tensor, Tensor], Tensor],
-    stacked: Callable[[Tensor, Tensor], Tensor],
-    x: Jet | Tensor,
-    w: Jet | Tensor,
-    n: int,
-) -> Jet | Tensor:
-    """``(x·w)_k = Σ_{i+j=k} op(x_i, w_j)``, one ``stacked`` call per coefficient of ``w``.
+def bilinear(op: Callable[[Tensor, Tensor], Tensor], x: Jet | Tensor, w: Jet | Tensor, n: int) -> Jet | Tensor:
+    """``(x·w)_k = Σ_{i+j=k} op(x_i, w_j)`` for an operation linear in each argument.
 
-    ``stacked(X, w)`` applies the operation to ``X`` carrying an extra leading
-    coefficient dimension.
+    One call per coefficient pair: batching coefficients into one call would need
+    a stacked copy of ``x`` that the reverse pass keeps alive as well, and costs
+    more time than it saves on the benchmark models.
     """
     xs, ws = _series(x), _series(w)
     n_out = min(n, len(xs) + len(ws) - 1)
     terms: list[list[Tensor]] = [[] for _ in range(n_out)]
-    for j, wj in enumerate(ws):
-        m = min(len(xs), n_out - j)
-        if m <= 0:
-            break
-        block = (single(xs[0], wj),) if m == 1 else stacked(x.stacked(m), wj).unbind(0)  # type: ignore[union-attr]
-        for i, b in enumerate(block):
-            terms[i + j].append(b)
+    for j, wj in enumerate(ws[:n_out]):
+        for i in range(min(len(xs), n_out - j)):
+            terms[i + j].append(op(xs[i], wj))
     return _wrap([sum(t[1:], t[0]) for t in terms])
 
 
@@ -148,7 +128,7 @@ def _div(a: Any, b: Any, n: int) -> Any:
 def _matmul(a: Any, b: Any, n: int) -> Any:
     if not isinstance(a, Jet) and isinstance(b, Jet):  # x @ W with W carrying s: batch over W's coefficients
         return per_coefficient(torch.matmul, (a, b), {}, zero_consts=False)
-    return bilinear(torch.matmul, torch.matmul, a, b, n)
+    return bilinear(torch.matmul, a, b, n)
 
 
 def _unary(fn: Callable[..., tuple[Tensor, ...]], x: Any, n: int, *extra: Any) -> Any:
@@ -156,13 +136,17 @@ def _unary(fn: Callable[..., tuple[Tensor, ...]], x: Any, n: int, *extra: Any) -
     return _wrap(fn(x.coeffs, n, *extra)) if isinstance(x, Jet) else fn((x,), 1, *extra)[0]
 
 
-def _linear_rule(n: int, x: Any, w: Any, b: Any = None) -> Any:
-    if not isinstance(x, Jet) and b is not None:  # constant input: fold each bias coefficient into its matmul
-        ws, bs = _series(w), _series(b)
-        if len(bs) <= len(ws):
-            return _wrap([F.linear(x, wj, bs[j] if j < len(bs) else None) for j, wj in enumerate(ws[:n])])
-    y = bilinear(F.linear, F.linear, x, w, n)
+def _fold_bias(op: Callable[..., Tensor], x: Any, w: Any, b: Any, n: int) -> Any:
+    """``op(x, w, b)`` for a bilinear layer with bias; a constant ``x`` takes each bias coefficient into its call."""
+    ws, bs = _series(w), _series(b) if b is not None else ()
+    if not isinstance(x, Jet) and len(bs) <= len(ws):
+        return _wrap([op(x, wj, bs[j] if j < len(bs) else None) for j, wj in enumerate(ws[:n])])
+    y = bilinear(lambda xi, wj: op(xi, wj, None), x, w, n)
     return y if b is None else _add(y, b)
+
+
+def _linear_rule(n: int, x: Any, w: Any, b: Any = None) -> Any:
+    return _fold_bias(F.linear, x, w, b, n)
 
 
 def _add(a: Any, b: Any, sign: float = 1.0) -> Any:
@@ -181,17 +165,10 @@ def _add(a: Any, b: Any, sign: float = 1.0) -> Any:
 
 def _conv_rule(conv: Callable[..., Tensor]) -> Callable[..., Any]:
     def rule(n: int, x: Any, w: Any, b: Any = None, *args: Any, **kwargs: Any) -> Any:
-        def single(xi: Tensor, wj: Tensor) -> Tensor:
-            return conv(xi, wj, None, *args, **kwargs)
-
-        def stacked(xs: Tensor, wj: Tensor) -> Tensor:
-            return conv(xs.flatten(0, 1), wj, None, *args, **kwargs).unflatten(0, xs.shape[:2])
-
-        y = bilinear(single, stacked, x, w, n)
-        if b is None:
-            return y
-        shape = (-1,) + (1,) * (_series(y)[0].dim() - 2)
-        return _add(y, per_coefficient(lambda t: t.view(shape), (b,), {}, zero_consts=False))
+        if isinstance(x, Jet) and b is not None:  # broadcast the bias over the spatial dimensions
+            shape = (-1,) + (1,) * (x.primal.dim() - 2)
+            b = per_coefficient(lambda t: t.view(shape), (b,), {}, zero_consts=False)
+        return _fold_bias(lambda xi, wj, bj: conv(xi, wj, bj, *args, **kwargs), x, w, b, n)
 
     return rule
 
