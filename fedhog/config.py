@@ -145,8 +145,6 @@ class RunConfig:
         for key in ("noise-multiplier", "mixing-strength", "momentum"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value >= 0, "a finite number ≥ 0")
-        _check("momentum", self.momentum, self.optimizer == "sgd" or self.momentum == 0,
-               "0 with optimizer='hog-step' (momentum applies to sgd only)")
         _check("validation-fraction", self.validation_fraction, 0 <= self.validation_fraction < 1, "a number in [0, 1)")
         _check("sampling-rate", self.sampling_rate, 0 < self.sampling_rate <= 1, "a number in (0, 1]")
         cohort = self.sampling_rate * self.population

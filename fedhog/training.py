@@ -49,10 +49,11 @@ def train_locally(
 ) -> LocalTraining:
     """Run ``epochs`` of minibatch training on ``data``.
 
-    ``optimizer = "sgd"`` is SGD with momentum; ``"hog-step"`` steps along
-    −∇L by the minimiser of the cubic model built from the first three
-    directional derivatives (:func:`fedhog.derivatives.third_order_step_size`),
-    at most ``learning_rate``. The shuffling order comes from ``seed`` alone,
+    ``optimizer = "sgd"`` is SGD with momentum; ``"hog-step"`` is the same
+    update with the learning rate of each step replaced by the minimiser of
+    the cubic model of the loss along −∇L, built from the first three
+    directional derivatives (:func:`fedhog.derivatives.third_order_step_size`)
+    and capped at ``learning_rate``. The shuffling order comes from ``seed`` alone,
     so a client's work is reproducible whatever engine or process runs it.
     """
     if len(data) == 0:

@@ -173,7 +173,7 @@ def test_overrides_from_the_command_line_reach_the_config():
 NON_DEFAULT = {
     "dataset": "digits", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
     "classes-per-client": 3, "validation-fraction": 0.0, "population": 50, "model": "mlp",
-    "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "device": "cpu",
+    "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
