@@ -47,13 +47,23 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return nn.Sequential(nn.Linear(40, 200), nn.Tanh(), nn.Linear(200, 32), nn.Tanh(), nn.Linear(32, 10)), (40,)
     if name == "cnn1d_40k":
         return nn.Sequential(
-            nn.Conv1d(1, 32, 5), nn.Tanh(), nn.Conv1d(32, 32, 5), nn.Tanh(), nn.Flatten(),
-            nn.Linear(32 * 32, 32), nn.Tanh(), nn.Linear(32, 10),
+            nn.Conv1d(1, 32, 5),
+            nn.Tanh(),
+            nn.Conv1d(32, 32, 5),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(32 * 32, 32),
+            nn.Tanh(),
+            nn.Linear(32, 10),
         ), (1, 40)
     if name == "mlp_1m":
-        return nn.Sequential(nn.Linear(784, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 10)), (784,)
+        return nn.Sequential(nn.Linear(784, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 10)), (
+            784,
+        )
     if name == "mlp_5m":
-        return nn.Sequential(nn.Linear(784, 2048), nn.Tanh(), nn.Linear(2048, 1536), nn.Tanh(), nn.Linear(1536, 10)), (784,)
+        return nn.Sequential(nn.Linear(784, 2048), nn.Tanh(), nn.Linear(2048, 1536), nn.Tanh(), nn.Linear(1536, 10)), (
+            784,
+        )
     raise ValueError(name)
 
 
@@ -79,7 +89,9 @@ def tasks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[tuple[str,
         out[("third_order_vector", method)] = lambda m=method: third_order_vector(model, x, y, v, method=m)
     for k in range(1, 6):
         for method in ("taylor", "torch.func"):
-            out[(f"directional_k{k}", method)] = lambda m=method, k=k: directional_derivatives(model, x, y, v, k, method=m)
+            out[(f"directional_k{k}", method)] = lambda m=method, k=k: directional_derivatives(
+                model, x, y, v, k, method=m
+            )
     return out
 
 
@@ -168,7 +180,9 @@ def main() -> None:
         base = baseline(model, x, y)
         peaks = {}
         if not args.quick or name == "mlp_1m":
-            peaks = {m: peak_child(name, "third_order_vector", m, args.threads) for m in ("taylor", "torch.func", "autograd")}
+            peaks = {
+                m: peak_child(name, "third_order_vector", m, args.threads) for m in ("taylor", "torch.func", "autograd")
+            }
             peaks["baseline"] = peak_child(name, "gradient", "baseline", args.threads)
         for (quantity, method), f in tasks(model, x, y).items():
             slow = method == "torch.func" and quantity.startswith("directional_k") and int(quantity[-1]) >= 4
@@ -176,9 +190,25 @@ def main() -> None:
                 continue  # nested jvp of order ≥ 4 takes seconds per call on the 1M model
             ratio = interleaved_ratio(f, base, budget)
             peak = peaks.get(method) if quantity == "third_order_vector" else None
-            rows.append({"model": name, "quantity": quantity, "method": method, "ratio_to_gradient": round(ratio, 3), "peak_mib": peak})
+            rows.append(
+                {
+                    "model": name,
+                    "quantity": quantity,
+                    "method": method,
+                    "ratio_to_gradient": round(ratio, 3),
+                    "peak_mib": peak,
+                }
+            )
         if peaks:
-            rows.append({"model": name, "quantity": "gradient", "method": "autograd.grad (baseline)", "ratio_to_gradient": 1.0, "peak_mib": peaks["baseline"]})
+            rows.append(
+                {
+                    "model": name,
+                    "quantity": "gradient",
+                    "method": "autograd.grad (baseline)",
+                    "ratio_to_gradient": 1.0,
+                    "peak_mib": peaks["baseline"],
+                }
+            )
     greeks = greeks_timing()
     if args.json:
         print(json.dumps({"rows": rows, "greeks": greeks}))
@@ -188,7 +218,10 @@ def main() -> None:
     for r in rows:
         peak = "" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         print(f"{r['model']:<10} {r['quantity']:<20} {r['method']:<26} {r['ratio_to_gradient']:>8.2f} {peak:>9}")
-    print(f"Greeks of {greeks['options']} calls: engine {greeks['engine_s']:.3f} s, numpy/scipy analytic {greeks['numpy_analytic_s']:.3f} s")
+    print(
+        f"Greeks of {greeks['options']} calls: engine {greeks['engine_s']:.3f} s, "
+        f"numpy/scipy analytic {greeks['numpy_analytic_s']:.3f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -28,17 +28,21 @@ def _mlp() -> nn.Module:
 
 def _cnn() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(
-        nn.Conv1d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6, 3)
-    ).double()
+    return nn.Sequential(nn.Conv1d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6, 3)).double()
 
 
 def _batch(model: nn.Module, loss: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(5, 4, generator=g, dtype=torch.float64) if isinstance(model[0], nn.Linear) else (
-        torch.randn(5, 1, 8, generator=g, dtype=torch.float64)
+    x = (
+        torch.randn(5, 4, generator=g, dtype=torch.float64)
+        if isinstance(model[0], nn.Linear)
+        else (torch.randn(5, 1, 8, generator=g, dtype=torch.float64))
     )
-    y = torch.randint(0, 3, (5,), generator=g) if loss == "cross_entropy" else torch.randn(5, 3, generator=g, dtype=torch.float64)
+    y = (
+        torch.randint(0, 3, (5,), generator=g)
+        if loss == "cross_entropy"
+        else torch.randn(5, 3, generator=g, dtype=torch.float64)
+    )
     return x, y
 
 
@@ -67,7 +71,6 @@ def _fd(fn, model: nn.Module, u: dict, eps: float):
 def _assert_close(a: dict, b: dict, rtol: float, atol: float) -> None:
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol)
-
 
 
 CASES = [(_mlp, "cross_entropy"), (_mlp, "mse"), (_cnn, "cross_entropy"), (_cnn, "mse")]
@@ -115,10 +118,12 @@ def test_third_order_vector_matches_finite_differences(make, loss, method):
     # t = T[v, v, ·] is the derivative of H(θ) v along v (symmetry of the third-derivative tensor)
     fd = _fd(lambda p: _call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector, model, v, 1e-5)
     _assert_close(t.vector, fd, rtol=1e-6, atol=1e-8)
+
     # uᵀ t is the derivative of vᵀ H(θ) v along an unrelated u
     def vhv(p):
         hv = _call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector
         return sum((hv[k] * v[k]).sum() for k in v)
+
     ut = sum((t.vector[k] * u[k]).sum() for k in u)
     torch.testing.assert_close(ut, _fd(vhv, model, u, 1e-5), rtol=1e-6, atol=1e-8)
     for k, p in model.named_parameters():
@@ -165,14 +170,16 @@ def test_directional_derivatives_closed_form_cumulants(method):
     mu = (p * delta).sum(-1, keepdim=True)
     m = [(p * (delta - mu) ** j).sum(-1) for j in range(6)]
     picked = delta.gather(-1, y[:, None]).squeeze(-1)
-    expected = torch.stack([
-        torch.tensor(float(cross_entropy(model(x), y)), dtype=torch.float64),
-        (mu.squeeze(-1) - picked).mean(),
-        m[2].mean(),
-        m[3].mean(),
-        (m[4] - 3 * m[2] ** 2).mean(),
-        (m[5] - 10 * m[3] * m[2]).mean(),
-    ])
+    expected = torch.stack(
+        [
+            torch.tensor(float(cross_entropy(model(x), y)), dtype=torch.float64),
+            (mu.squeeze(-1) - picked).mean(),
+            m[2].mean(),
+            m[3].mean(),
+            (m[4] - 3 * m[2] ** 2).mean(),
+            (m[5] - 10 * m[3] * m[2]).mean(),
+        ]
+    )
     d = directional_derivatives(model, x, y, v, 5, method=method)
     torch.testing.assert_close(d.values, expected.detach(), rtol=1e-11, atol=1e-13)
 
@@ -206,14 +213,20 @@ def test_hessian_closed_form_tiny_mlp():
     curv = a * a * h1 * h1 + r * a * h2
     cross = h1 * (a * h + r)
     m = lambda t: 2 * t.mean()  # noqa: E731
-    expected = torch.tensor([  # order: w, b, a
-        [m(x1 * x1 * curv), m(x1 * curv), m(x1 * cross)],
-        [m(x1 * curv), m(curv), m(cross)],
-        [m(x1 * cross), m(cross), m(h * h)],
-    ], dtype=torch.float64)
+    expected = torch.tensor(
+        [  # order: w, b, a
+            [m(x1 * x1 * curv), m(x1 * curv), m(x1 * cross)],
+            [m(x1 * curv), m(curv), m(cross)],
+            [m(x1 * cross), m(cross), m(h * h)],
+        ],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(hessian(model, x, y, loss="mse").values, expected, rtol=1e-12, atol=1e-14)
-    v = {"0.weight": torch.tensor([[0.3]], dtype=torch.float64), "0.bias": torch.tensor([-0.7], dtype=torch.float64),
-         "2.weight": torch.tensor([[0.5]], dtype=torch.float64)}
+    v = {
+        "0.weight": torch.tensor([[0.3]], dtype=torch.float64),
+        "0.bias": torch.tensor([-0.7], dtype=torch.float64),
+        "2.weight": torch.tensor([[0.5]], dtype=torch.float64),
+    }
     flat_v = torch.tensor([0.3, -0.7, 0.5], dtype=torch.float64)
     for method in METHODS:
         hv = hessian_vector_product(model, x, y, v, loss="mse", method=method).vector

@@ -39,8 +39,22 @@ def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     return {
         "mlp": (nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.GELU(), nn.Linear(5, 3)), (6,)),
         "relu": (nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.Sigmoid(), nn.Linear(5, 3)), (6,)),
-        "cnn1d": (nn.Sequential(nn.Conv1d(1, 3, 3, padding=1), nn.Tanh(), nn.AvgPool1d(2), nn.Conv1d(3, 2, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(2, 3)), (1, 8)),
-        "cnn2d": (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(8, 3)), (1, 5, 5)),
+        "cnn1d": (
+            nn.Sequential(
+                nn.Conv1d(1, 3, 3, padding=1),
+                nn.Tanh(),
+                nn.AvgPool1d(2),
+                nn.Conv1d(3, 2, 3, stride=2),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(2, 3),
+            ),
+            (1, 8),
+        ),
+        "cnn2d": (
+            nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(8, 3)),
+            (1, 5, 5),
+        ),
         "batchnorm": (bn, (6,)),
         "functional": (Functional(), (6,)),
     }
@@ -54,7 +68,11 @@ def _setup(name: str, loss: str, batch: int = 4):
     model = model.double()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, *shape, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (batch,), generator=g) if loss == "cross_entropy" else torch.randn(batch, 3, generator=g, dtype=torch.float64)
+    y = (
+        torch.randint(0, 3, (batch,), generator=g)
+        if loss == "cross_entropy"
+        else torch.randn(batch, 3, generator=g, dtype=torch.float64)
+    )
     v = {k: torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5 for k, p in model.named_parameters()}
     return model, x, y, v
 

@@ -77,6 +77,7 @@ def batch_objective(
     model: nn.Module, buffers: Params, loss: LossFn, inputs: Tensor, targets: Tensor
 ) -> Callable[[Params], Tensor]:
     """Return ``θ ↦ loss(model(inputs; θ, buffers), targets)``."""
+
     def f(params: Params) -> Tensor:
         return loss(functional_call(model, (params, buffers), (inputs,)), targets)
 

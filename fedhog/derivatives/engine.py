@@ -83,6 +83,7 @@ def _taylor_grad(
     One reverse pass through the series propagation: ``torch.func.grad`` under
     ``vmap`` (per example), plain ``autograd.grad`` otherwise (less dispatch overhead).
     """
+
     def coefficient(p: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         c = loss_series(program, loss, p, buffers, v, x, y, n)
         return scale * c[k], c[0].detach()
@@ -97,7 +98,8 @@ def _taylor_grad(
             if not target.requires_grad:  # the coefficient does not depend on θ
                 return {name: torch.zeros_like(t) for name, t in params.items()}, value
             grads = torch.autograd.grad(target, list(leaves.values()), allow_unused=True)
-        return {name: torch.zeros_like(t) if g is None else g for (name, t), g in zip(params.items(), grads)}, value
+        pairs = zip(params.items(), grads, strict=True)
+        return {name: torch.zeros_like(t) if g is None else g for (name, t), g in pairs}, value
 
     return functional if per_example else reverse
 
@@ -242,6 +244,7 @@ def hessian(
 
     Meant for small models: memory grows as ``P²``.
     """
+
     def dense(f: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
         return fn.func_hessian(f, params), f(params)
 

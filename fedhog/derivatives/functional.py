@@ -25,6 +25,7 @@ def func_gradient(f: ScalarFn, params: Params) -> tuple[Params, Tensor]:
 
 def func_hvp(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
     """Return ``(∇²f v, f)`` by forward-over-reverse."""
+
     def g(p: Params) -> tuple[Params, Tensor]:
         return grad_and_value(f)(p)
 
@@ -34,6 +35,7 @@ def func_hvp(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
 
 def func_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
     """Return ``(∇(vᵀ∇²f v), f)`` by reverse-over-forward-over-forward."""
+
     def second(p: Params) -> tuple[Tensor, Tensor]:
         def first(q: Params) -> tuple[Tensor, Tensor]:
             return jvp(f, (q,), (v,))
@@ -51,6 +53,7 @@ def func_directional(f: Callable[[Any], Tensor], params: Any, v: Any, order: int
     ``params`` and ``v`` are matching pytrees (a tensor or a dict of tensors);
     ``f`` may return a tensor of any shape, and the result stacks along dim 0.
     """
+
     def nest(k: int) -> Callable[[Any], tuple[Tensor, ...]]:
         if k == 0:
             return lambda p: (f(p),)
@@ -74,7 +77,7 @@ def func_hessian(f: ScalarFn, params: Params) -> Tensor:
 
     def g(x: Tensor) -> Tensor:
         parts = torch.split(x, sizes)
-        return f({n: part.view(s) for n, part, s in zip(names, parts, shapes)})
+        return f({n: part.view(s) for n, part, s in zip(names, parts, shapes, strict=True)})
 
     return hessian(g)(flat)
 
@@ -87,7 +90,7 @@ def _grad(out: Tensor, params: Params, create_graph: bool) -> Params:
     if not out.requires_grad:  # out does not depend on params: derivative is zero
         return {k: torch.zeros_like(p) for k, p in params.items()}
     gs = torch.autograd.grad(out, list(params.values()), create_graph=create_graph, allow_unused=True)
-    return {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), gs)}
+    return {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), gs, strict=True)}
 
 
 def _dot(a: Params, b: Params) -> Tensor:

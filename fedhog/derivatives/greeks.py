@@ -21,14 +21,16 @@ def black_scholes_call(spot: Tensor, strike: Tensor, maturity: Tensor, rate: Ten
 
 
 def _one_option(spot: Tensor, strike: Tensor, maturity: Tensor, rate: Tensor, vol: Tensor) -> Tensor:
-    in_spot = func_directional(lambda s: black_scholes_call(s, strike, maturity, rate, vol), spot, torch.ones_like(spot), 3)
-    in_vol = func_directional(lambda v: black_scholes_call(spot, strike, maturity, rate, v), vol, torch.ones_like(vol), 1)
+    in_spot = func_directional(
+        lambda s: black_scholes_call(s, strike, maturity, rate, vol), spot, torch.ones_like(spot), 3
+    )
+    in_vol = func_directional(
+        lambda v: black_scholes_call(spot, strike, maturity, rate, v), vol, torch.ones_like(vol), 1
+    )
     return torch.cat([in_spot, in_vol[1:]])
 
 
-def call_greeks(
-    spot: Tensor, strike: Tensor, maturity: Tensor, rate: Tensor, vol: Tensor
-) -> dict[str, Tensor]:
+def call_greeks(spot: Tensor, strike: Tensor, maturity: Tensor, rate: Tensor, vol: Tensor) -> dict[str, Tensor]:
     """Price, delta, gamma, speed (``∂³C/∂S³``) and vega of calls, one per element.
 
     Arguments are broadcast to a common 1-D shape; derivatives come from nested

@@ -174,19 +174,50 @@ def _conv_rule(conv: Callable[..., Tensor]) -> Callable[..., Any]:
 
 
 _SMOOTH: dict[Any, Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]] = {
-    torch.tanh: series.tanh, F.tanh: series.tanh, "tanh": series.tanh,
-    torch.sigmoid: series.sigmoid, F.sigmoid: series.sigmoid, "sigmoid": series.sigmoid,
-    torch.relu: series.relu, F.relu: series.relu, "relu": series.relu,
-    torch.exp: series.exp, "exp": series.exp,
-    torch.log: series.log, "log": series.log,
+    torch.tanh: series.tanh,
+    F.tanh: series.tanh,
+    "tanh": series.tanh,
+    torch.sigmoid: series.sigmoid,
+    F.sigmoid: series.sigmoid,
+    "sigmoid": series.sigmoid,
+    torch.relu: series.relu,
+    F.relu: series.relu,
+    "relu": series.relu,
+    torch.exp: series.exp,
+    "exp": series.exp,
+    torch.log: series.log,
+    "log": series.log,
 }
 
 _LINEAR_OPS = {  # linear in their jet arguments, other tensors multiply
-    "view", "reshape", "flatten", "permute", "transpose", "unsqueeze", "squeeze", "contiguous",
-    "mean", "sum", "expand", "t",
-    torch.flatten, torch.reshape, torch.mean, torch.sum, torch.transpose, torch.permute,
-    torch.unsqueeze, torch.squeeze, operator.getitem, operator.neg, torch.neg, "neg",
-    F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+    "view",
+    "reshape",
+    "flatten",
+    "permute",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "contiguous",
+    "mean",
+    "sum",
+    "expand",
+    "t",
+    torch.flatten,
+    torch.reshape,
+    torch.mean,
+    torch.sum,
+    torch.transpose,
+    torch.permute,
+    torch.unsqueeze,
+    torch.squeeze,
+    operator.getitem,
+    operator.neg,
+    torch.neg,
+    "neg",
+    F.avg_pool1d,
+    F.avg_pool2d,
+    F.adaptive_avg_pool1d,
+    F.adaptive_avg_pool2d,
 }
 _ADD_SUB = {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
 _AFFINE_OPS = _ADD_SUB | {torch.cat, torch.stack}
@@ -252,7 +283,9 @@ def _batchnorm(n: int, m: nn.Module, x: Any, w: Any, b: Any) -> Any:
         raise Unsupported("BatchNorm without running statistics")
     shape = (-1,) + (1,) * (_series(x)[0].dim() - 2)
     inv_std = torch.rsqrt(m.running_var + m.eps).view(shape)
-    y = per_coefficient(operator.mul, (per_coefficient(operator.sub, (x, m.running_mean.view(shape)), {}, True), inv_std), {}, False)
+    y = per_coefficient(
+        operator.mul, (per_coefficient(operator.sub, (x, m.running_mean.view(shape)), {}, True), inv_std), {}, False
+    )
     if w is not None:
         y = _mul(y, per_coefficient(lambda t: t.view(shape), (w,), {}, False), n)
     if b is not None:
