@@ -4,6 +4,11 @@ The accountant's noise multiplier is the noise standard deviation divided by
 the L2 sensitivity of the clipped sum under the accountant's neighbouring
 relation: C for add/remove-one (Poisson sampling) but 2C for replace-one
 (fixed-size sampling), so fixed-size sampling composes σ/2, not σ.
+
+Two accountants bound ε: PLD (tight; :class:`~fedhog.privacy.pld.PldAccountant`)
+and RDP (Flower's ``RdpAccountant``). dp_accounting's PLD accountant cannot
+account sampling without replacement, so fixed-size sampling is always
+accounted with RDP (:func:`effective_accountant`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 
+from flwr.common import log
 from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import (
     GaussianPrivacyEvent,
@@ -20,9 +26,13 @@ from flwr.supercore.privacy_accounting import (
     SamplingMethod,
 )
 
+from .pld import PldAccountant
 from .sampling import SamplingKind, expected_cohort_size
 
-ACCOUNTANTS: tuple[str, ...] = ("rdp",)
+ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+# PLD grid width: pessimistic rounding overstates ε by about this much (absolute), and
+# ε after T rounds costs ~0.05 s instead of ~0.5 s at dp_accounting's default 1e-4.
+PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-3
 
 # dp-accounting logs a warning for every RDP order it drops as numerically unstable
 # (large q); the orders left still bound ε, so these warnings only bury the run's log.
@@ -38,6 +48,37 @@ _ACCOUNTING_MODELS: dict[str, tuple[SamplingMethod, NeighboringRelation, float]]
 def accountant_noise_multiplier(noise_multiplier: float, sampling: SamplingKind) -> float:
     """σ as the accountant must see it: noise std ÷ the sum's sensitivity."""
     return noise_multiplier / _ACCOUNTING_MODELS[sampling][2]
+
+
+def effective_accountant(accountant: str, sampling: SamplingKind) -> str:
+    """The accountant that really bounds ε: PLD falls back to RDP for fixed-size sampling.
+
+    Raises
+    ------
+    ValueError
+        If ``accountant`` is not one of :data:`ACCOUNTANTS` or ``sampling`` is unknown.
+    """
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant={accountant!r} must be one of {ACCOUNTANTS}")
+    if sampling not in _ACCOUNTING_MODELS:
+        raise ValueError(f"sampling={sampling!r} must be one of {tuple(_ACCOUNTING_MODELS)}")
+    return "rdp" if sampling == "fixed" else accountant
+
+
+def privacy_config(sampling: SamplingKind, population: int, delta: float) -> PrivacyConfig:
+    """Flower's privacy configuration of fedhog's sampling scheme."""
+    method, relation, _ = _ACCOUNTING_MODELS[sampling]
+    return PrivacyConfig(target_delta=delta, population_size=population,
+                         neighboring_relation=relation, sampling_method=method)
+
+
+def new_backend(config: PrivacyConfig, accountant: str) -> PrivacyAccountant:
+    """A fresh Flower-protocol accountant: ``"pld"`` (fedhog's grid width) or ``"rdp"``."""
+    if accountant == "pld":
+        return PldAccountant(config, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
+    if accountant == "rdp":
+        return RdpAccountant(config)
+    raise ValueError(f"accountant={accountant!r} must be one of {ACCOUNTANTS}")
 
 
 class ClientLevelAccountant:
@@ -57,6 +98,9 @@ class ClientLevelAccountant:
         The δ at which ε is reported.
     has_guarantee : bool
         False for mechanisms that add no calibrated noise (ε = ∞).
+    accountant : {"pld", "rdp"}
+        Requested accountant; :attr:`method` is the one used (RDP for fixed-size sampling).
+        The default stays "rdp" so existing callers keep their figures; the run config chooses.
     """
 
     def __init__(
@@ -67,22 +111,19 @@ class ClientLevelAccountant:
         population: int,
         delta: float,
         has_guarantee: bool = True,
+        accountant: str = "rdp",
     ) -> None:
+        self.method = effective_accountant(accountant, sampling)
+        if self.method != accountant:
+            log(logging.WARNING, "accountant=%r cannot account %s sampling: using %r",
+                accountant, sampling, self.method)
         self.delta = delta
         self.sampling = sampling
         self._backend: PrivacyAccountant | None = None
         self._event: GaussianPrivacyEvent | None = None
         self.releases = 0
         if has_guarantee and noise_multiplier > 0:
-            method, relation, _ = _ACCOUNTING_MODELS[sampling]
-            self._backend = RdpAccountant(
-                PrivacyConfig(
-                    target_delta=delta,
-                    population_size=population,
-                    neighboring_relation=relation,
-                    sampling_method=method,
-                )
-            )
+            self._backend = new_backend(privacy_config(sampling, population, delta), self.method)
             self._event = GaussianPrivacyEvent(
                 noise_multiplier=accountant_noise_multiplier(noise_multiplier, sampling),
                 sample_size=expected_cohort_size(population, sampling_rate),
@@ -119,6 +160,9 @@ class ClientLevelAccountant:
             return False
         if self._backend is None:
             return True
+        if isinstance(self._backend, PldAccountant):
+            # one composition with count T+1, cached for the next round's epsilon()
+            return self._backend.would_exceed(self._event, max_epsilon)
         # Every round releases the same event, so one composition of it with count T+1
         # answers in constant time (Flower's would_exceed replays all T events).
         projected = RdpAccountant(self._backend.config)

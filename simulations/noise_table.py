@@ -1,0 +1,85 @@
+"""Noise needed for a privacy budget: Flower's accounted DP wrapper vs fedhog.
+
+Setting (MNIST-1D): N = 1000 clients, T = 100 rounds, δ = 1e-5, ε ∈ {1, 3, 8}.
+
+Flower: ``DifferentialPrivacyServerSideFixedClipping`` with an ``RdpAccountant``.
+In accounted mode the wrapper only accepts ``SamplingMethod.NO_AMPLIFICATION``
+(with ADD_OR_REMOVE_ONE), an un-overridden ``FedAvg.aggregate_train``, exactly
+``num_sampled_clients`` replies and equal client weights. Each released round it
+adds N(0, (σ·C/K)²) to the average of the K clipped updates (σ·C on their sum)
+and composes ``GaussianPrivacyEvent(σ, K, N)``, which the accountant treats as a
+plain ``GaussianDpEvent(σ)``: no credit for sampling. Every client therefore
+takes part every round (q = 1, K = 1000), where that accounting is exact.
+
+fedhog: Poisson sampling with q = 0.1 (100 clients a round in expectation),
+noise σ·C on the clipped sum divided by K = q·N, accounted with PLD.
+
+σ is the smallest meeting the budget (:func:`calibrate_event_noise_multiplier`,
+relative tolerance 1e-3); the spent ε columns are what the two runtime accountants
+report after T releases at that σ. The fair comparison is the noise std on the
+averaged update, σ·C/K, shown per unit C.
+
+Usage::
+
+    python simulations/noise_table.py
+"""
+
+from __future__ import annotations
+
+from flwr.serverapp import RdpAccountant
+from flwr.supercore.privacy_accounting import (
+    GaussianPrivacyEvent,
+    NeighboringRelation,
+    PrivacyConfig,
+    SamplingMethod,
+)
+
+from fedhog.privacy.accounting import ClientLevelAccountant
+from fedhog.privacy.calibration import calibrate_event_noise_multiplier, calibrate_noise_multiplier
+
+POPULATION = 1000
+ROUNDS = 100
+DELTA = 1e-5
+EPSILONS = (1.0, 3.0, 8.0)
+FEDHOG_RATE = 0.1
+FEDHOG_COHORT = round(FEDHOG_RATE * POPULATION)
+
+
+def flower_row(epsilon: float) -> tuple[float, float]:
+    """σ of Flower's accounted wrapper with every client every round, and the ε it reports."""
+    config = PrivacyConfig(DELTA, POPULATION, NeighboringRelation.ADD_OR_REMOVE_ONE,
+                           SamplingMethod.NO_AMPLIFICATION)
+    sigma = calibrate_event_noise_multiplier(epsilon, DELTA, ROUNDS, config, POPULATION, "rdp")
+    accountant = RdpAccountant(config)
+    accountant.compose(GaussianPrivacyEvent(sigma, POPULATION, POPULATION), ROUNDS)
+    return sigma, accountant.get_epsilon(DELTA)
+
+
+def fedhog_row(epsilon: float) -> tuple[float, float]:
+    """σ of fedhog (Poisson, PLD), and the ε its runtime accountant reports."""
+    sigma = calibrate_noise_multiplier(epsilon, DELTA, ROUNDS, "poisson", FEDHOG_RATE, POPULATION, "pld")
+    accountant = ClientLevelAccountant(sigma, "poisson", FEDHOG_RATE, POPULATION, DELTA, accountant="pld")
+    backend = accountant.state_dict()["backend"]
+    backend["compositions"] = [{"event": vars(accountant.event), "count": ROUNDS}]
+    accountant.load_state_dict({"releases": ROUNDS, "backend": backend})
+    return sigma, accountant.epsilon()
+
+
+def main() -> None:
+    """Print the Markdown table."""
+    print(f"N = {POPULATION} clients, T = {ROUNDS} rounds, δ = {DELTA:g}; "
+          "noise std on the averaged update in units of the clipping norm C\n")
+    print(f"| ε | Flower σ (q = 1, RDP) | ε spent | Flower std/C (K = {POPULATION}) "
+          f"| fedhog σ (q = {FEDHOG_RATE:g}, PLD) | ε spent | fedhog std/C (K = {FEDHOG_COHORT}) "
+          "| fedhog ÷ Flower std |")
+    print("|---|---|---|---|---|---|---|---|")
+    for epsilon in EPSILONS:
+        flower_sigma, flower_spent = flower_row(epsilon)
+        fedhog_sigma, fedhog_spent = fedhog_row(epsilon)
+        flower_std, fedhog_std = flower_sigma / POPULATION, fedhog_sigma / FEDHOG_COHORT
+        print(f"| {epsilon:g} | {flower_sigma:.4g} | {flower_spent:.4g} | {flower_std:.4g} "
+              f"| {fedhog_sigma:.4g} | {fedhog_spent:.4g} | {fedhog_std:.4g} | {fedhog_std / flower_std:.3g} |")
+
+
+if __name__ == "__main__":
+    main()
