@@ -55,6 +55,12 @@ def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
             nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(8, 3)),
             (1, 5, 5),
         ),
+        "maxpool": (
+            nn.Sequential(
+                nn.Conv2d(1, 3, 3, padding="same"), nn.Softplus(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 3)
+            ),
+            (1, 5, 5),
+        ),
         "batchnorm": (bn, (6,)),
         "functional": (Functional(), (6,)),
     }

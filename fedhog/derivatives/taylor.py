@@ -3,10 +3,11 @@
 The model is traced once; each value in the graph becomes either a constant
 tensor (independent of ``s``) or a :class:`Jet` of normalised Taylor
 coefficients.  Parameters enter as the order-1 jets ``(θ, v)``; bilinear layers
-(linear, convolution, matmul) batch all coefficient pairs that share a weight
-coefficient into one kernel call; activations use the series recurrences of
-:mod:`.series`.  An operation without a rule raises :class:`Unsupported` so the
-caller can fall back to nested ``torch.func``.
+(linear, convolution, matmul) sum their coefficient pairs (Leibniz rule),
+activations use the series recurrences of :mod:`.series`, and piecewise-linear
+ones (ReLU, max-pooling) are exact away from their kinks.  An operation without
+a rule raises :class:`Unsupported` so the caller can fall back to nested
+``torch.func``.
 """
 
 from __future__ import annotations
@@ -123,12 +124,6 @@ def _div(a: Any, b: Any, n: int) -> Any:
     if isinstance(b, Jet):
         return _mul(a, Jet(series.reciprocal(b.coeffs, n)), n)
     return per_coefficient(operator.truediv, (a, b), {}, zero_consts=False)
-
-
-def _matmul(a: Any, b: Any, n: int) -> Any:
-    if not isinstance(a, Jet) and isinstance(b, Jet):  # x @ W with W carrying s: batch over W's coefficients
-        return per_coefficient(torch.matmul, (a, b), {}, zero_consts=False)
-    return bilinear(torch.matmul, a, b, n)
 
 
 def _unary(fn: Callable[..., tuple[Tensor, ...]], x: Any, n: int, *extra: Any) -> Any:
@@ -263,7 +258,7 @@ def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
     if target in (operator.truediv, torch.div, "div") and not kwargs:
         return _div(args[0], args[1], n)
     if target in (operator.matmul, torch.matmul, "matmul"):
-        return _matmul(args[0], args[1], n)
+        return bilinear(torch.matmul, args[0], args[1], n)
     if target is F.linear:
         return _linear_rule(n, *args, **kwargs)
     if target in (F.conv1d, F.conv2d):
@@ -293,13 +288,24 @@ def _batchnorm(n: int, m: nn.Module, x: Any, w: Any, b: Any) -> Any:
     return y
 
 
+def _max_pool(m: nn.Module, x: Any) -> Any:
+    """Max-pooling: every coefficient is taken where the value part attains the maximum."""
+    if not isinstance(x, Jet):
+        return m(x)
+    pool = F.max_pool1d if isinstance(m, nn.MaxPool1d) else F.max_pool2d
+    y0, idx = pool(x.primal, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, return_indices=True)
+    flat_idx = idx.flatten(2)
+    rest = [c.flatten(2).gather(2, flat_idx).view_as(y0) for c in x.coeffs[1:]]
+    return Jet([y0, *rest])
+
+
 def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
     """Return ``rule(n, x, weight, bias)`` for a leaf module, or ``None`` if unsupported."""
     t = type(m)
     if t is nn.Linear:
         return lambda n, x, w, b: _linear_rule(n, x, w, b)
     if t in (nn.Conv1d, nn.Conv2d):
-        if m.padding_mode != "zeros" or isinstance(m.padding, str) and m.padding != "valid":
+        if m.padding_mode != "zeros":
             return None
         conv = F.conv1d if t is nn.Conv1d else F.conv2d
         return lambda n, x, w, b: _conv_rule(conv)(n, x, w, b, m.stride, m.padding, m.dilation, m.groups)
@@ -316,6 +322,8 @@ def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
         return lambda n, x, w, b: x
     if t is nn.Flatten:
         return lambda n, x, w, b: per_coefficient(lambda c: c.flatten(m.start_dim, m.end_dim), (x,), {}, False)
+    if t in (nn.MaxPool1d, nn.MaxPool2d):
+        return lambda n, x, w, b: _max_pool(m, x)
     if t in (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d):
         return lambda n, x, w, b: per_coefficient(m, (x,), {}, False)
     if t in (nn.BatchNorm1d, nn.BatchNorm2d) and m.track_running_stats:
