@@ -74,9 +74,9 @@ def main() -> None:
     for optimizer, (lr, runs) in best.items():
         loss, accuracy = summarise(runs, "loss"), summarise(runs, "accuracy")
         ratio = summarise(runs, "seconds_per_step")[0] / sgd_seconds
-        cubic = summarise(runs, "cubic_fraction")[0]
+        cubic = f"{summarise(runs, 'cubic_fraction')[0]:.0%}" if optimizer == "hog-step" else "–"
         print(f"| {optimizer} | {lr:g} | {loss[0]:.4f} ± {loss[1]:.4f} | {accuracy[0]:.3f} ± {accuracy[1]:.3f} "
-              f"| {ratio:.1f}× | {cubic:.0%} |" if optimizer == "hog-step" else f"| {ratio:.1f}× | – |")
+              f"| {ratio:.1f}× | {cubic} |")
 
 
 if __name__ == "__main__":
