@@ -1,0 +1,448 @@
+"""Run fedhog on a real local Flower deployment: one SuperLink, N SuperNodes, ``flwr run``.
+
+:func:`deploy_local` starts ``flower-superlink`` and ``flower-supernode``
+processes on 127.0.0.1 (plain, or TLS with a throwaway CA from
+:func:`generate_tls_files`), submits the app with ``flwr run`` through a
+SuperLink connection in a private ``FLWR_HOME``, shows the progress from
+``metrics.json`` and stops every process it started, also on Ctrl-C, SIGTERM,
+errors and failed runs. Runtime dependency installation is off everywhere.
+
+Flower detaches some of its processes (the SuperLink's SuperExec, the ServerApp
+and ClientApp processes) into sessions of their own, so process groups alone
+do not reach them: every process of a deployment carries the environment
+variable ``FEDHOG_DEPLOY_ID=<id>``, and :meth:`LocalFederation.stop` ends the
+processes that carry the deployment's id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from .config import ConfigError, RunConfig
+from .results import config_to_toml, default_results_dir
+
+HOST = "127.0.0.1"
+CONNECTION = "fedhog-local"
+MARKER = "FEDHOG_DEPLOY_ID"
+STOP_GRACE_SECONDS = 5.0
+
+
+class DeployError(RuntimeError):
+    """A local deployment that could not start, or a run on it that did not finish."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a CA and of a server certificate it signed."""
+
+    ca_certfile: Path
+    certfile: Path
+    keyfile: Path
+
+
+def generate_tls_files(directory: Path, hosts: Sequence[str] = (HOST, "localhost"), days: int = 2) -> TlsFiles:
+    """Write a throwaway self-signed CA and a server certificate for ``hosts`` into ``directory``.
+
+    Parameters
+    ----------
+    directory : Path
+        Created if missing; receives ``ca.pem``, ``server.pem`` and ``server.key`` (mode 0600).
+    hosts : sequence of str
+        IP addresses and DNS names the server certificate is valid for (subject alternative names).
+    days : int
+        Validity of both certificates.
+
+    Returns
+    -------
+    TlsFiles
+        The paths, for ``--ssl-ca-certfile/--ssl-certfile/--ssl-keyfile`` and ``--root-certificates``.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def name(common_name: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+    def alternative_name(host: str) -> x509.GeneralName:
+        try:
+            return x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            return x509.DNSName(host)
+
+    def usage(**allowed: bool) -> x509.KeyUsage:
+        flags = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
+                 "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")
+        return x509.KeyUsage(**{flag: allowed.get(flag, False) for flag in flags})
+
+    now = datetime.now(timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_subject = name("fedhog throwaway CA")
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(ca_subject).issuer_name(ca_subject)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage(digital_signature=True, key_cert_sign=True, crl_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    server_cert = (
+        x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca_subject)
+        .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([alternative_name(h) for h in hosts]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(usage(digital_signature=True, key_encipherment=True), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(server_key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
+    files.ca_certfile.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.certfile.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    key = server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption())
+    descriptor = os.open(files.keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(key)
+    return files
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def marked_processes(deploy_id: str) -> list[int]:
+    """Ids of the live processes whose environment carries ``FEDHOG_DEPLOY_ID=deploy_id``."""
+    needle = f"{MARKER}={deploy_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environment = (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in environment.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+class LocalFederation:
+    """A SuperLink and ``nodes`` SuperNodes on 127.0.0.1; a context manager that stops them all.
+
+    Parameters
+    ----------
+    nodes : int
+        SuperNodes to start; node i gets ``--node-config 'partition-id=i num-partitions=nodes'``.
+    workdir : Path
+        Holds ``flwr-home/`` (the private ``FLWR_HOME`` and its ``config.toml``); the SuperLink runs here.
+    log_dir : Path
+        Receives ``superlink.log`` and ``supernode-<i>.log``.
+    tls : TlsFiles or None
+        Serve the SuperLink over TLS with these files; ``None``: plain HTTP (``--insecure``).
+    startup_timeout : float
+        Seconds to wait for the SuperLink to listen and for every SuperNode to be online.
+    """
+
+    def __init__(self, nodes: int, workdir: Path, log_dir: Path, tls: TlsFiles | None = None,
+                 startup_timeout: float = 180.0) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes={nodes} is not allowed; expected an integer ≥ 1")
+        self.nodes, self.workdir, self.log_dir, self.tls = nodes, workdir.resolve(), log_dir.resolve(), tls
+        self.startup_timeout = startup_timeout
+        self.deploy_id = uuid.uuid4().hex
+        self.port = free_port()
+        self.address = f"{HOST}:{self.port}"
+        self.flwr_home = self.workdir / "flwr-home"
+        # Flower starts its helpers (flower-superexec, flwr-clientapp, ...) by name: put ours first.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        self.env = {**os.environ, "PATH": path, MARKER: self.deploy_id, "FLWR_HOME": str(self.flwr_home),
+                    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._logs: list[IO[str]] = []
+
+    def __enter__(self) -> "LocalFederation":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if survivors := self.stop():
+            warnings.warn(f"processes {survivors} of deployment {self.deploy_id} survived SIGKILL", RuntimeWarning)
+
+    # --- start -----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the SuperLink, write the connection, start the SuperNodes; wait until all are online."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._write_connection()
+        tls_args = (["--ssl-ca-certfile", str(self.tls.ca_certfile), "--ssl-certfile", str(self.tls.certfile),
+                     "--ssl-keyfile", str(self.tls.keyfile)] if self.tls else ["--insecure"])
+        self._spawn("superlink", ["flower-superlink", *tls_args, "--host", HOST, "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        deadline = time.monotonic() + self.startup_timeout
+        self._wait(lambda: _listening(self.port), deadline, f"the SuperLink to listen on {self.address}")
+        link_args = ["--root-certificates", str(self.tls.ca_certfile)] if self.tls else ["--insecure"]
+        for i in range(self.nodes):
+            self._spawn(f"supernode-{i}", [
+                "flower-supernode", *link_args, "--superlink", self.address, "--host", HOST,
+                "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={self.nodes}"])
+        self._wait(lambda: self.online_nodes() >= self.nodes, deadline, f"{self.nodes} SuperNodes to be online")
+
+    def _write_connection(self) -> None:
+        """``$FLWR_HOME/config.toml`` with one connection, the default."""
+        entry = [f"address = {json.dumps(self.address)}"]
+        entry.append(f"root-certificates = {json.dumps(str(self.tls.ca_certfile.resolve()))}" if self.tls
+                     else "insecure = true")
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n' + "\n".join(entry) + "\n")
+
+    def _spawn(self, name: str, command: list[str], cwd: Path | None = None,
+               log_path: Path | None = None) -> subprocess.Popen:
+        log = open(log_path or self.log_dir / f"{name}.log", "w")  # closed by stop()
+        self._logs.append(log)
+        # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the group.
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env=self.env, cwd=cwd or self.workdir, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        while not ready():
+            if (dead := self.dead_process()) is not None:
+                raise DeployError(f"{dead} while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise DeployError(f"timed out after {self.startup_timeout:g} s waiting for {what}; "
+                                  f"logs in {self.log_dir}")
+            time.sleep(0.5)
+
+    # --- run -------------------------------------------------------------------
+    def online_nodes(self) -> int:
+        """SuperNodes the SuperLink reports online (``flwr supernode ls``)."""
+        listing = subprocess.run(["flwr", "supernode", "ls", CONNECTION, "--format", "json"], env=self.env,
+                                 cwd=self.workdir, capture_output=True, text=True, timeout=60)
+        try:
+            nodes = json.loads(listing.stdout).get("nodes", [])
+        except json.JSONDecodeError:
+            return 0
+        return sum(node.get("status") == "online" for node in nodes)
+
+    def start_run(self, app_dir: Path, run_config: Path, log_path: Path) -> subprocess.Popen:
+        """``flwr run app_dir <connection> --stream --run-config run_config``, its output to ``log_path``."""
+        return self._spawn("flwr-run", ["flwr", "run", str(app_dir), CONNECTION, "--stream",
+                                        "--run-config", str(run_config)], cwd=app_dir, log_path=log_path)
+
+    def dead_process(self) -> str | None:
+        """Which SuperLink or SuperNode has exited, and how; ``None`` while all run."""
+        for name, process in self.processes.items():
+            if name != "flwr-run" and process.poll() is not None:
+                return f"{name} exited with code {process.returncode} (log: {self.log_dir / name}.log)"
+        return None
+
+    # --- stop ------------------------------------------------------------------
+    def stop(self) -> list[int]:
+        """Stop ``flwr run``, the SuperNodes, the SuperLink and every process they started.
+
+        SIGTERM first, SIGKILL after :data:`STOP_GRACE_SECONDS`. Returns the ids of
+        processes that survived both (normally none).
+        """
+        with _handling([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):  # a second Ctrl-C must not cut it short
+            for process in reversed(self.processes.values()):  # flwr run, SuperNodes, then the SuperLink
+                _signal_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            for process in self.processes.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                if process.poll() is None:
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+            for handle in self._logs:
+                handle.close()
+            self._logs.clear()
+            return _end_marked(self.deploy_id)
+
+
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signum)
+
+
+def _end_marked(deploy_id: str) -> list[int]:
+    """SIGTERM the processes marked with ``deploy_id``, then SIGKILL those left; return the survivors."""
+    pids = marked_processes(deploy_id)
+    for signum, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 2.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pids = marked_processes(deploy_id)
+    return pids
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((HOST, port)) == 0
+
+
+@contextlib.contextmanager
+def _handling(signums: Sequence[int], handler) -> Iterator[None]:
+    """Handle ``signums`` with ``handler`` inside the block (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, signal.SIG_DFL if old is None else old)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def deploy_local(
+    config: RunConfig,
+    nodes: int,
+    tls: bool = False,
+    workdir: Path | None = None,
+    *,
+    app_dir: Path | None = None,
+    timeout: float | None = None,
+    startup_timeout: float = 180.0,
+) -> Path:
+    """Run ``config`` on a local SuperLink with ``nodes`` SuperNodes; return the results folder.
+
+    Parameters
+    ----------
+    config : RunConfig
+        The run; ``population`` must equal ``nodes``. An empty ``results-dir``
+        becomes ``results/<timestamp>`` under the working directory.
+    nodes : int
+        SuperNodes to start.
+    tls : bool
+        Serve the SuperLink over TLS with a throwaway CA (:func:`generate_tls_files`).
+    workdir : Path or None
+        Keeps ``FLWR_HOME``, the certificates and the resolved run config; default: a
+        temporary folder, removed at the end.
+    app_dir : Path or None
+        The Flower app (folder with ``pyproject.toml``); default: this checkout.
+    timeout : float or None
+        Seconds the run may take once the federation is up; ``None``: no limit.
+    startup_timeout : float
+        Seconds the SuperLink and SuperNodes may take to come up.
+
+    Returns
+    -------
+    Path
+        The absolute results folder: ``config.toml``, ``metrics.json``, ``final_model.pt``,
+        ``flwr.log`` (the ``flwr run`` stream) and ``logs/`` (SuperLink and SuperNodes).
+
+    Raises
+    ------
+    ConfigError
+        If ``population`` differs from ``nodes``.
+    DeployError
+        If the federation does not come up, a process dies, the run times out or does not finish.
+    """
+    from .cli import _watch  # the progress display of `fedhog run`
+
+    if config.population != nodes:
+        raise ConfigError(f"population={config.population} must equal the number of SuperNodes (nodes={nodes})")
+    app_dir = (app_dir or Path(__file__).resolve().parents[1]).resolve()
+    if not (app_dir / "pyproject.toml").is_file():
+        raise DeployError(f"no Flower app (pyproject.toml) in app_dir={app_dir}")
+    directory = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
+    config = config.with_overrides({"results-dir": str(directory)})
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_handling([signal.SIGTERM], _exit_on_signal))  # clean up on SIGTERM as on Ctrl-C
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedhog-deploy-")))
+        workdir = workdir.resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        run_config = workdir / "run-config.toml"
+        run_config.write_text(config_to_toml(config))
+        certificates = generate_tls_files(workdir / "tls") if tls else None
+        federation = stack.enter_context(
+            LocalFederation(nodes, workdir, directory / "logs", certificates, startup_timeout))
+        run = federation.start_run(app_dir, run_config, directory / "flwr.log")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        problem: list[str] = []
+
+        def running() -> bool:
+            if (dead := federation.dead_process()) is not None:
+                problem.append(dead)
+            elif deadline is not None and time.monotonic() > deadline:
+                problem.append(f"the run timed out after {timeout:g} s")
+            return run.poll() is None and not problem
+
+        _watch(directory, config.rounds, running)
+        if problem:
+            raise DeployError(f"{problem[0]}; the flwr run log: {directory / 'flwr.log'}")
+        if run.returncode != 0:
+            raise DeployError(f"flwr run exited with {run.returncode}; its log: {directory / 'flwr.log'}")
+    return _check_finished(directory)
+
+
+def _check_finished(directory: Path) -> Path:
+    """``directory`` if its run finished; else a :class:`DeployError` with the ServerApp's error.
+
+    ``flwr run --stream`` exits with 0 even when the ServerApp raised, so the
+    results folder, not the exit code, says whether the run finished.
+    """
+    log_path = directory / "flwr.log"
+    try:
+        document = json.loads((directory / "metrics.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        document = {}
+    if document.get("status") == "finished":
+        return directory
+    reason = document.get("error") or _last_error(log_path) or "no error was reported"
+    raise DeployError(f"the run did not finish (status={document.get('status')!r}): {reason}; see {log_path}")
+
+
+def _last_error(log_path: Path) -> str | None:
+    """The last ``SomeError: message`` line of a log."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    errors = [line.strip() for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", line.strip())]
+    return errors[-1] if errors else None

@@ -1,0 +1,164 @@
+"""A real local deployment (SuperLink, SuperNodes, `flwr run`) gives the in-process engine's run and leaves nothing behind.
+
+Every ClientApp message costs a fresh process here (~6 s for a trivial one, ~10 s
+with fedhog's imports), so the deployments are 2 nodes and 1–2 rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedhog.config import ConfigError, RunConfig
+from fedhog.deploy import LocalFederation, deploy_local, generate_tls_files, marked_processes
+from fedhog.results import config_to_toml
+
+SETTINGS = {"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 1.0, "rounds": 2,
+            "partitioner": "iid", "privacy-seed": 11, "noise-multiplier": 0.5, "clipping-norm": 2.0}
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path_factory, monkeypatch):
+    base = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("FEDHOG_CACHE", str(base / "cache"))
+    monkeypatch.setenv("FLWR_HOME", str(base / "flwr-home-unused"))  # never ~/.flwr, whatever deploy does
+    monkeypatch.setenv("RAY_TMPDIR", str(base / "ray"))
+
+
+def _processes_using(workdir: Path) -> list[str]:
+    """Live processes whose FLWR_HOME is the deployment's: found without deploy's own marker."""
+    needle = f"FLWR_HOME={workdir.resolve() / 'flwr-home'}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry.name}: {command}")
+        except OSError:
+            continue
+    return found
+
+
+def _config(tmp_path: Path, name: str, **overrides) -> RunConfig:
+    return RunConfig().with_overrides({**SETTINGS, **overrides, "results-dir": str(tmp_path / name)})
+
+
+# --- fast ------------------------------------------------------------------------
+def test_population_must_equal_the_number_of_nodes(tmp_path):
+    with pytest.raises(ConfigError, match=r"population=2 .*nodes=3"):
+        deploy_local(_config(tmp_path, "run"), nodes=3, workdir=tmp_path / "work")
+    assert not (tmp_path / "run").exists()
+
+
+def test_throwaway_certificates_verify_for_127_0_0_1_and_localhost(tmp_path):
+    files = generate_tls_files(tmp_path / "tls")
+    assert files.keyfile.stat().st_mode & 0o077 == 0
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(files.certfile, files.keyfile)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve(connections: int) -> None:
+            for _ in range(connections):
+                connection, _ = listener.accept()
+                with server_context.wrap_socket(connection, server_side=True) as tls:
+                    tls.sendall(b"ok")
+
+        server = threading.Thread(target=serve, args=(2,), daemon=True)
+        server.start()
+        client_context = ssl.create_default_context(cafile=str(files.ca_certfile))
+        for host in ("127.0.0.1", "localhost"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                with client_context.wrap_socket(raw, server_hostname=host) as tls:
+                    assert tls.recv(2) == b"ok"
+        server.join(timeout=10)
+
+
+def test_stop_ends_detached_grandchildren(tmp_path):
+    """Flower detaches its SuperExec and app processes; stop() finds them by the deployment's marker."""
+    federation = LocalFederation(1, tmp_path / "work", tmp_path / "logs")
+    parent = subprocess.Popen(["bash", "-c", "setsid sleep 300 & sleep 300"], env=federation.env,
+                              start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(marked_processes(federation.deploy_id)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(marked_processes(federation.deploy_id)) == 3  # bash and two sleeps
+    assert federation.stop() == []
+    assert parent.wait(timeout=5) != 0
+    assert marked_processes(federation.deploy_id) == []
+
+
+# --- real processes ----------------------------------------------------------------
+@pytest.mark.slow
+def test_deployment_matches_the_inprocess_engine(tmp_path):
+    from fedhog.client_app import app as client_app
+    from fedhog.engine import run_in_process
+    from fedhog.server_app import app as server_app
+
+    config = _config(tmp_path, "deployed")
+    started = time.perf_counter()
+    directory = deploy_local(config, nodes=2, workdir=tmp_path / "work", timeout=300)
+    print(f"deployment: {time.perf_counter() - started:.1f} s")
+    assert directory == (tmp_path / "deployed").resolve()
+    assert _processes_using(tmp_path / "work") == []
+    assert {p.name for p in (directory / "logs").iterdir()} == {"superlink.log", "supernode-0.log",
+                                                                 "supernode-1.log"}
+    run_in_process(server_app, client_app, 2, _config(tmp_path, "inprocess").to_mapping())
+
+    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+                            for name in ("deployed", "inprocess"))
+    assert deployed["status"] == in_process["status"] == "finished"
+    for a, b in zip(deployed["rounds"], in_process["rounds"], strict=True):
+        assert a["clients_sampled"] == b["clients_sampled"] == 2
+        assert a["clients_accepted"] == b["clients_accepted"] == 2
+        assert a["epsilon"] == pytest.approx(b["epsilon"], rel=1e-12)
+        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-9)
+    model_a = torch.load(tmp_path / "deployed" / "final_model.pt")
+    model_b = torch.load(tmp_path / "inprocess" / "final_model.pt")
+    assert model_a.keys() == model_b.keys()
+    for key in model_a:
+        torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_one_round_over_tls(tmp_path):
+    directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
+                             timeout=300)
+    metrics = json.loads((directory / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and len(metrics["rounds"]) == 1
+    assert metrics["rounds"][0]["clients_accepted"] == 2
+    assert "https://127.0.0.1:" in (directory / "logs" / "superlink.log").read_text()
+    connection = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
+    assert "root-certificates" in connection and "insecure" not in connection
+    assert _processes_using(tmp_path / "work") == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_run_leaves_no_process(tmp_path):
+    config = _config(tmp_path, "interrupted", rounds=20)
+    script = ("import sys; from pathlib import Path; from fedhog.config import load_config; "
+              "from fedhog.deploy import deploy_local; "
+              "deploy_local(load_config(sys.argv[1]), nodes=2, workdir=Path(sys.argv[2]))")
+    (tmp_path / "run.toml").write_text(config_to_toml(config))
+    driver = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run.toml"), str(tmp_path / "work")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "interrupted" / "metrics.json").exists():  # the ServerApp is running
+        assert driver.poll() is None, driver.communicate()[0]
+        assert time.monotonic() < deadline, "the ServerApp did not start"
+        time.sleep(0.5)
+    assert _processes_using(tmp_path / "work")
+    driver.send_signal(signal.SIGINT)
+    output = driver.communicate(timeout=60)[0]
+    assert driver.returncode != 0 and "KeyboardInterrupt" in output
+    assert _processes_using(tmp_path / "work") == []
