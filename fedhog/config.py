@@ -62,7 +62,7 @@ class RunConfig:
     mixing_strength: float = 0.5
     hog_direction: str = "random"
     hog_batch_size: int = 32
-    accountant: str = "rdp"
+    accountant: str = "pld"
     delta: float = 1e-5
     max_epsilon: float = math.inf
     # reproducibility and output

@@ -40,6 +40,7 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
         population=config.population,
         delta=config.delta,
         has_guarantee=mechanism.has_guarantee,
+        accountant=config.accountant,
     )
     rng = PrivacyRng(None if config.privacy_seed < 0 else config.privacy_seed)
     return SecureAggregator(mechanism, accountant, rng, config.sampling,  # type: ignore[arg-type]
@@ -71,6 +72,7 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
     writer.update(privacy={
         "mechanism": config.mechanism,
         "has_guarantee": strategy.accountant.has_guarantee,
+        "accountant": strategy.accountant.method,
         "accountant_noise_multiplier": strategy.accountant.event.noise_multiplier
         if strategy.accountant.event else None,
         "delta": config.delta,

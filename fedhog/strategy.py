@@ -110,9 +110,9 @@ class SecureAggregator(Strategy):
         log(INFO, "\t├──> %r", self)
         if self.accountant.has_guarantee:
             event = self.accountant.event
-            log(INFO, "\t└──> accounting: %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
-                self.sampling, event.noise_multiplier, event.sample_size, event.population_size,
-                self.accountant.delta)
+            log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
+                self.accountant.method, self.sampling, event.noise_multiplier, event.sample_size,
+                event.population_size, self.accountant.delta)
         else:
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
                 "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
