@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from fedhog.config import ConfigError, RunConfig
-from fedhog.deploy import LocalFederation, deploy_local, generate_tls_files, marked_processes
+from fedhog.deploy import (DeployError, LocalFederation, _check_finished, deploy_local, generate_tls_files,
+                           marked_processes)
 from fedhog.results import config_to_toml
 
 SETTINGS = {"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 1.0, "rounds": 2,
@@ -96,6 +97,22 @@ def test_stop_ends_detached_grandchildren(tmp_path):
     assert federation.stop() == []
     assert parent.wait(timeout=5) != 0
     assert marked_processes(federation.deploy_id) == []
+
+
+def test_a_run_the_serverapp_rejected_is_an_error_that_quotes_it(tmp_path):
+    """`flwr run --stream` exits with 0 when the ServerApp raises: the results folder decides."""
+    (tmp_path / "flwr.log").write_text(
+        "INFO :      Start `flwr-serverapp` process\n"
+        "  File \".../fedhog/config.py\", line 214, in _check\n"
+        "fedhog.config.ConfigError: sampling-rate=0.3 is not allowed; expected a rate whose ...\n"
+        "ERROR :     Exit Code: 201\n")
+    with pytest.raises(DeployError, match=r"status=None\): fedhog.config.ConfigError: sampling-rate=0.3"):
+        _check_finished(tmp_path)
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "failed", "error": "RuntimeError: population"}))
+    with pytest.raises(DeployError, match=r"status='failed'\): RuntimeError: population"):
+        _check_finished(tmp_path)
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "finished"}))
+    assert _check_finished(tmp_path) == tmp_path
 
 
 # --- real processes ----------------------------------------------------------------
