@@ -34,13 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", nargs="?", help=f"run-config TOML (default: {QUICKSTART})")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one config key (repeatable), e.g. --set noise-multiplier=1.2")
+    run.add_argument("--resume", metavar="RESULTS_DIR",
+                     help="continue a stopped run from its last checkpoint (same config, same folder)")
     run.add_argument("--engine", choices=ENGINES, default="simulation",
                      help="Flower's Simulation Engine (Ray, via `flwr run`) or the in-process engine")
     run.add_argument("--client-cpus", type=int, default=1,
                      help="CPUs per simulated client (Simulation Engine only)")
     args = parser.parse_args(argv)
     try:
-        config = _resolve_config(args.config, args.overrides)
+        config = (_resume_config(args.resume, args.config, args.overrides) if args.resume
+                  else _resolve_config(args.config, args.overrides))
     except ConfigError as error:
         console.print(f"[bold red]config error:[/] {error}")
         return 2
@@ -53,6 +56,15 @@ def _resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
     config = load_config(path, dict(parse_override(o) for o in overrides))
     results_dir = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
     return config.with_overrides({"results-dir": str(results_dir)})
+
+
+def _resume_config(directory: str, path: str | None, overrides: list[str]) -> RunConfig:
+    if path or overrides:
+        raise ConfigError("--resume takes the config saved in the results folder; give no CONFIG or --set")
+    folder = Path(directory).resolve()
+    if not (folder / "config.toml").is_file():
+        raise ConfigError(f"--resume {directory}: no config.toml there (not a fedhog results folder)")
+    return load_config(folder / "config.toml", {"resume": True, "results-dir": str(folder)})
 
 
 def _find_quickstart() -> Path:

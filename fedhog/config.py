@@ -69,6 +69,7 @@ class RunConfig:
     seed: int = 0
     privacy_seed: int = -1
     results_dir: str = ""
+    resume: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":

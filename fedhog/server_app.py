@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import dataset_info, load_test_set
 from .models import build_model
@@ -48,16 +49,25 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
 
 
 def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
-    """Discover the clients, train, evaluate centrally every round, write results; return the folder."""
+    """Discover the clients, train (or resume), evaluate every round, write results; return the folder.
+
+    After every round the results folder gets ``metrics.json`` and an atomic
+    ``checkpoint.pt`` (model, accountant, privacy RNG states, rounds so far);
+    with ``resume = true`` the run continues from that checkpoint.
+    """
     started = time.perf_counter()
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
-    writer = ResultsWriter(directory, config)
+    checkpoint = load_checkpoint(directory) if config.resume else None
+    writer = ResultsWriter(directory, config.with_overrides({"resume": False}))
+    if checkpoint is not None:
+        writer.update(rounds=checkpoint.rounds, resumed_after_round=checkpoint.round)
     log(INFO, "fedhog results folder: %s", writer.directory)
 
     input_shape, num_classes = dataset_info(config.data_spec)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes)
     test_set = load_test_set(config.data_spec)
+    strategy = build_strategy(config)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -66,9 +76,10 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         writer.add_round(record)
-        writer.save_model(arrays, "latest_model.pt")
+        save_checkpoint(writer.directory, Checkpoint(
+            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
+            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"]))
 
-    strategy = build_strategy(config)
     writer.update(privacy={
         "mechanism": config.mechanism,
         "has_guarantee": strategy.accountant.has_guarantee,
@@ -84,14 +95,20 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         initial = ArrayRecord(model.state_dict())
         baseline = evaluate_fn(0, initial)
         writer.update(initial={"accuracy": baseline["accuracy"], "loss": baseline["loss"]})
+        first_round = 1
+        if checkpoint is not None:
+            initial = ArrayRecord(checkpoint.model)
+            strategy.accountant.load_state_dict(checkpoint.accountant)
+            strategy.rng.load_state_dict(checkpoint.rng)
+            first_round = checkpoint.round + 1
+            log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
         result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=timeout,
-                                evaluate_fn=evaluate_fn, on_round=on_round)
+                                evaluate_fn=evaluate_fn, on_round=on_round, first_round=first_round)
     except BaseException as error:
         writer.update(status="failed", error=f"{type(error).__name__}: {error}",
                       seconds=time.perf_counter() - started)
         raise
     writer.save_model(result.arrays)
-    (writer.directory / "latest_model.pt").unlink(missing_ok=True)
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}
     epsilon = strategy.accountant.epsilon()

@@ -263,19 +263,20 @@ class SecureAggregator(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         on_round: Callable[[RoundRecord, ArrayRecord], None] | None = None,
+        first_round: int = 1,
     ) -> Result:
-        """Run up to ``num_rounds`` rounds; stop before a release beyond ``max_epsilon``.
+        """Run rounds ``first_round``..``num_rounds``; stop before a release beyond ``max_epsilon``.
 
         Unlike :meth:`Strategy.start`, every finished round is handed to
-        ``on_round`` (which writes results), so a crash loses nothing done.
+        ``on_round`` (which writes results and checkpoints), so a crash loses
+        nothing done, and a resumed run starts at ``first_round``. The initial
+        model is not evaluated here (the ServerApp does that before round 1).
         """
-        log(INFO, "Starting SecureAggregator for %d rounds", num_rounds)
+        log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
         result = Result()
         arrays = initial_arrays
-        if evaluate_fn:
-            result.evaluate_metrics_serverapp[0] = evaluate_fn(0, arrays)
-        for server_round in range(1, num_rounds + 1):
+        for server_round in range(first_round, num_rounds + 1):
             if self.accountant.would_exceed(self.max_epsilon):
                 log(WARNING, "Stopping before round %d: its release would take ε past max-epsilon=%g "
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())

@@ -1,0 +1,75 @@
+"""Per-round checkpoints: everything a killed run needs to continue as if it never stopped."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .results import atomic_write
+
+CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, truncated or not fedhog's."""
+
+
+@dataclass
+class Checkpoint:
+    """The state after a finished round.
+
+    Parameters
+    ----------
+    round : int
+        The last finished round.
+    model : dict
+        The global model's state dict after that round.
+    accountant : dict
+        :meth:`ClientLevelAccountant.state_dict` (the releases so far).
+    rng : dict
+        :meth:`PrivacyRng.state_dict` (sampling, ξ and noise generators).
+    rounds : list
+        The per-round records written to ``metrics.json`` so far.
+    """
+
+    round: int
+    model: dict[str, torch.Tensor]
+    accountant: dict[str, Any]
+    rng: dict[str, Any]
+    rounds: list[dict[str, Any]]
+
+
+def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
+    """Write ``checkpoint.pt`` atomically; the one before it becomes ``checkpoint.prev.pt``."""
+    buffer = io.BytesIO()
+    torch.save(asdict(checkpoint), buffer)
+    path = directory / CHECKPOINT
+    if path.exists():
+        os.replace(path, directory / PREVIOUS)
+    atomic_write(path, buffer.getvalue())
+    return path
+
+
+def load_checkpoint(directory: Path) -> Checkpoint:
+    """Read ``checkpoint.pt``; a damaged file raises :class:`CheckpointError` and nothing is removed."""
+    path = directory / CHECKPOINT
+    if not path.is_file():
+        raise CheckpointError(f"cannot resume: no {CHECKPOINT} in {directory}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = Checkpoint(**state)
+        if not isinstance(checkpoint.round, int) or checkpoint.round < 1:
+            raise ValueError(f"round={checkpoint.round!r}")
+    except Exception as error:  # pylint: disable=broad-except  # any damage reads as one clear error
+        previous = directory / PREVIOUS
+        hint = (f"; the previous checkpoint is kept at {previous}: move it to {path} to resume from it"
+                if previous.is_file() else "")
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path} is corrupt or truncated ({type(error).__name__}: {reason}){hint}") from None
+    return checkpoint

@@ -1,0 +1,104 @@
+"""Checkpoints: atomic, validated, and a killed run resumes as if it never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fedhog.checkpoint import CHECKPOINT, PREVIOUS, Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+
+
+def _checkpoint(round_: int) -> Checkpoint:
+    return Checkpoint(round=round_, model={"w": torch.full((2, 3), float(round_))},
+                      accountant={"releases": round_, "backend": None}, rng={"noise": torch.arange(4)},
+                      rounds=[{"round": r, "epsilon": 0.1 * r} for r in range(1, round_ + 1)])
+
+
+def test_round_trip_and_previous_is_kept(tmp_path):
+    save_checkpoint(tmp_path, _checkpoint(1))
+    save_checkpoint(tmp_path, _checkpoint(2))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.round == 2 and torch.equal(loaded.model["w"], torch.full((2, 3), 2.0))
+    assert loaded.rounds[-1] == {"round": 2, "epsilon": 0.2}
+    assert torch.load(tmp_path / PREVIOUS, weights_only=True)["round"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "not-a-checkpoint"])
+def test_a_damaged_checkpoint_is_a_clear_error_and_the_previous_stays(tmp_path, damage):
+    save_checkpoint(tmp_path, _checkpoint(1))
+    save_checkpoint(tmp_path, _checkpoint(2))
+    path = tmp_path / CHECKPOINT
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a zip at all")
+    else:
+        torch.save({"something": "else"}, path)
+    with pytest.raises(CheckpointError, match=f"{CHECKPOINT} is corrupt.*{PREVIOUS}"):
+        load_checkpoint(tmp_path)
+    assert torch.load(tmp_path / PREVIOUS, weights_only=True)["round"] == 1
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint.pt"):
+        load_checkpoint(tmp_path)
+
+
+SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=10", "sampling-rate=0.5", "rounds=6",
+            "partitioner=\"iid\"", "privacy-seed=3", "noise-multiplier=0.7", "clipping-norm=2.0"]
+
+
+def _command(env, *args: str, results) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "fedhog.cli", "run", "--engine", "inprocess", *args]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _settings(results) -> list[str]:
+    out = []
+    for setting in SETTINGS + [f"results-dir=\"{results}\""]:
+        out += ["--set", setting]
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_to_the_same_result(tmp_path):
+    env = {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache")}
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    reference = _command(env, *_settings(whole), results=whole)
+
+    victim = _command(env, *_settings(broken), results=broken)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it once two rounds are checkpointed
+        try:
+            if load_checkpoint(broken).round >= 2:
+                break
+        except CheckpointError:
+            pass
+        assert victim.poll() is None, victim.communicate()[0]
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_after = load_checkpoint(broken).round
+    assert killed_after < 6, "the run finished before it could be killed"
+
+    resumed = _command(env, "--resume", str(broken), results=broken)
+    assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
+    assert reference.wait(timeout=300) == 0, reference.communicate()[0]
+
+    a = json.loads((whole / "metrics.json").read_text())
+    b = json.loads((broken / "metrics.json").read_text())
+    assert b["resumed_after_round"] == killed_after
+    assert [r["round"] for r in b["rounds"]] == list(range(1, 7))
+    assert b["summary"]["epsilon"] == pytest.approx(a["summary"]["epsilon"], rel=1e-12)
+    assert [r["accuracy"] for r in b["rounds"]] == [r["accuracy"] for r in a["rounds"]]
+    final_a = torch.load(whole / "final_model.pt")
+    final_b = torch.load(broken / "final_model.pt")
+    for key in final_a:
+        torch.testing.assert_close(final_a[key], final_b[key], rtol=0, atol=1e-6)
