@@ -417,7 +417,8 @@ def deploy_local(
         if problem:
             raise DeployError(f"{problem[0]}; the flwr run log: {directory / 'flwr.log'}")
         if run.returncode != 0:
-            raise DeployError(f"flwr run exited with {run.returncode}; its log: {directory / 'flwr.log'}")
+            raise DeployError(f"flwr run exited with {run.returncode} ({_last_error(directory / 'flwr.log')}); "
+                              f"its log: {directory / 'flwr.log'}")
     return _check_finished(directory)
 
 
@@ -439,10 +440,11 @@ def _check_finished(directory: Path) -> Path:
 
 
 def _last_error(log_path: Path) -> str | None:
-    """The last ``SomeError: message`` line of a log."""
+    """The last ``SomeError: message`` line of a log, else its last line of text (Flower's boxed CLI errors)."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
+        lines = [line.strip(" │╭╮╰╯─\t") for line in log_path.read_text(errors="replace").splitlines()]
     except FileNotFoundError:
         return None
-    errors = [line.strip() for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", line.strip())]
-    return errors[-1] if errors else None
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", line)]
+    text = [line for line in lines if re.search(r"\w", line)]
+    return (errors or text or [None])[-1]

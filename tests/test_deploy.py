@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from fedhog.config import ConfigError, RunConfig
-from fedhog.deploy import (DeployError, LocalFederation, _check_finished, deploy_local, generate_tls_files,
-                           marked_processes)
+from fedhog.deploy import (DeployError, LocalFederation, _check_finished, _last_error, deploy_local,
+                           generate_tls_files, marked_processes)
 from fedhog.results import config_to_toml
 
 SETTINGS = {"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 1.0, "rounds": 2,
@@ -113,6 +113,15 @@ def test_a_run_the_serverapp_rejected_is_an_error_that_quotes_it(tmp_path):
         _check_finished(tmp_path)
     (tmp_path / "metrics.json").write_text(json.dumps({"status": "finished"}))
     assert _check_finished(tmp_path) == tmp_path
+
+
+def test_flwr_cli_errors_are_quoted_from_their_box(tmp_path):
+    (tmp_path / "flwr.log").write_text(
+        "Using SuperLink: fedhog-local (127.0.0.1:43175)\n"
+        "╭─ Error ───────────────────────────────────╮\n"
+        "│ [code: 15] Invalid run configuration.     │\n"
+        "╰───────────────────────────────────────────╯\n")
+    assert _last_error(tmp_path / "flwr.log") == "[code: 15] Invalid run configuration."
 
 
 # --- real processes ----------------------------------------------------------------
