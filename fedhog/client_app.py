@@ -18,6 +18,7 @@ from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
 from .models import build_model
+from .monitoring import measure_peak_memory
 from .training import (
     direction_seed,
     evaluate,
@@ -82,8 +83,9 @@ def train(msg: Message, context: Context) -> Message:
     }
     if config.mechanism == "hog":
         model.load_state_dict(global_state)
-        term, finite, seconds = third_order_term(model, train_data, update, config, seed)
-        metrics.update({"third-order-seconds": seconds, "third-order-finite": int(finite)})
+        with measure_peak_memory(device) as peak:
+            term, finite, seconds = third_order_term(model, train_data, update, config, seed)
+        metrics.update({"third-order-seconds": seconds, "third-order-finite": int(finite), **peak.as_metrics()})
         if finite:
             records["third-order-term"] = ArrayRecord(_to_cpu(term))
     records["metrics"] = MetricRecord(metrics)

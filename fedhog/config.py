@@ -70,6 +70,7 @@ class RunConfig:
     privacy_seed: int = -1
     results_dir: str = ""
     resume: bool = False
+    metrics_port: int = -1
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
@@ -162,6 +163,8 @@ class RunConfig:
                 f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "
                 f"noise-multiplier={self.noise_multiplier:g} has no DP guarantee (ε = ∞)"
             )
+        _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
+               "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
 
     def _get(self, key: str) -> Any:

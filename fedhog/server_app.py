@@ -16,6 +16,7 @@ from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import dataset_info, load_test_set
 from .models import build_model
+from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.rng import PrivacyRng
 from .results import ResultsWriter, default_results_dir
@@ -62,6 +63,7 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
     if checkpoint is not None:
         writer.update(rounds=checkpoint.rounds, resumed_after_round=checkpoint.round)
     log(INFO, "fedhog results folder: %s", writer.directory)
+    monitor = ServerMetrics()
 
     input_shape, num_classes = dataset_info(config.data_spec)
     torch.manual_seed(config.seed)
@@ -76,6 +78,8 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         writer.add_round(record)
+        monitor.observe_round(record, strategy.client_metrics)
+        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         save_checkpoint(writer.directory, Checkpoint(
             round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
             rng=strategy.rng.state_dict(), rounds=writer.document["rounds"]))
@@ -89,6 +93,10 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         "delta": config.delta,
     })
     try:
+        if config.metrics_port >= 0:
+            port = monitor.start_http_server(config.metrics_port)  # 127.0.0.1 only
+            writer.update(metrics_url=f"http://127.0.0.1:{port}/metrics")
+            log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         discovery_started = time.perf_counter()
         strategy.discover(grid, config.population, timeout, identify=strategy.rng.seed_is_fixed)
         writer.update(discovery_seconds=time.perf_counter() - discovery_started)
@@ -108,6 +116,8 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         writer.update(status="failed", error=f"{type(error).__name__}: {error}",
                       seconds=time.perf_counter() - started)
         raise
+    finally:
+        monitor.stop()
     writer.save_model(result.arrays)
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}

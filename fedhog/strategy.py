@@ -19,6 +19,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from .monitoring import reply_nbytes
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.mechanism import Contribution, MechanismSettings, aggregate
 from .privacy.rng import PrivacyRng
@@ -53,6 +54,7 @@ class RoundRecord:
     mean_mixing_ratio: float = math.nan
     third_order_seconds_max: float = math.nan
     third_order_failures: int = 0
+    bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
 
 
@@ -98,6 +100,7 @@ class SecureAggregator(Strategy):
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self.current: RoundRecord | None = None
+        self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
 
     def __repr__(self) -> str:
         m = self.mechanism
@@ -159,6 +162,7 @@ class SecureAggregator(Strategy):
         self._global = arrays
         self._cohort = {node_of_slot[slot]: slot for slot in chosen}
         self.current = RoundRecord(round=server_round, clients_sampled=len(chosen))
+        self.client_metrics = []
         config["server-round"] = server_round
         record = RecordDict({"arrays": arrays, "config": config})
         return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in self._cohort]
@@ -171,6 +175,8 @@ class SecureAggregator(Strategy):
         contributions: list[tuple[int, Contribution, RecordDict]] = []
         seen: set[int] = set()
         for reply in replies:
+            if not reply.has_error():
+                record.bytes_received += reply_nbytes(reply.content)
             try:
                 slot = self._check_sender(reply, seen)
                 contribution = self.read_contribution(reply)
@@ -204,6 +210,7 @@ class SecureAggregator(Strategy):
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         client_metrics = [content[METRICS_KEY] for _, _, content in contributions]
+        self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
         seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]

@@ -147,3 +147,43 @@ def test_identification_keys_sampling_by_partition_id(tmp_path):
         messages = strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
         cohorts.append(sorted(strategy.slot_of_node[m.metadata.dst_node_id] for m in messages))
     assert cohorts[0] == cohorts[1]
+
+
+def test_prometheus_endpoint_moves_during_a_run(tmp_path):
+    """Scrape the server's endpoint while rounds run: counters climb, ε and accuracy appear."""
+    import threading
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = RunConfig().with_overrides({**SMALL, "rounds": 4, "metrics-port": 0,
+                                         "results-dir": str(tmp_path / "run")})
+    runner = threading.Thread(target=run_in_process,
+                              args=(server_app, fedhog_client_app, config.population, config.to_mapping()))
+    runner.start()
+    seen_rounds, url = [], None
+    while runner.is_alive():
+        if url is None:
+            try:
+                url = json.loads((tmp_path / "run" / "metrics.json").read_text()).get("metrics_url")
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        if url:
+            try:
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:  # the endpoint closes when the run ends
+                break
+            samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            seen_rounds.append(samples["fedhog_rounds_total"])
+            if samples["fedhog_rounds_total"] > 0:
+                assert 0 < samples["fedhog_epsilon"] < math.inf
+                assert 0 <= samples["fedhog_test_accuracy"] <= 1
+                assert samples["fedhog_bytes_received_total"] > 0
+                assert samples["fedhog_third_order_seconds_count"] >= samples["fedhog_rounds_total"]
+        time.sleep(0.02)
+    runner.join()
+    assert seen_rounds == sorted(seen_rounds) and len(set(seen_rounds)) >= 2
+    snapshot = (tmp_path / "run" / "metrics.prom").read_text()
+    final = {s.name: s.value for f in text_string_to_metric_families(snapshot) for s in f.samples}
+    assert final["fedhog_rounds_total"] == 4
