@@ -36,6 +36,8 @@ class Checkpoint:
         :meth:`PrivacyRng.state_dict` (sampling, ξ and noise generators).
     rounds : list
         The per-round records written to ``metrics.json`` so far.
+    adaptive_clipping : dict, optional
+        :meth:`AdaptiveClipping.state_dict` (the current clipping norm), when on.
     """
 
     round: int
@@ -43,6 +45,7 @@ class Checkpoint:
     accountant: dict[str, Any]
     rng: dict[str, Any]
     rounds: list[dict[str, Any]]
+    adaptive_clipping: dict[str, Any] | None = None
 
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from .data import PARTITIONERS, DataSpec, validate_spec
 from .models import MODELS
 from .privacy.accounting import ACCOUNTANTS
+from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
 from .training import OPTIMIZERS
@@ -60,6 +61,10 @@ class RunConfig:
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
     mixing_strength: float = 0.5
+    adaptive_clipping: bool = False
+    target_quantile: float = 0.5
+    clipping_learning_rate: float = 0.2
+    count_noise_std: float = -1.0
     hog_direction: str = "random"
     hog_batch_size: int = 32
     accountant: str = "pld"
@@ -123,6 +128,16 @@ class RunConfig:
         )
 
     @property
+    def adaptive_clipping_settings(self) -> AdaptiveClippingSettings | None:
+        """Adaptive clipping starting at ``clipping-norm``, or None when off."""
+        if not self.adaptive_clipping:
+            return None
+        count_std = default_count_noise_std(self.expected_cohort) if self.count_noise_std < 0 else self.count_noise_std
+        return AdaptiveClippingSettings(initial_clipping_norm=self.clipping_norm, count_noise_std=count_std,
+                                        target_quantile=self.target_quantile,
+                                        learning_rate=self.clipping_learning_rate)
+
+    @property
     def expected_cohort(self) -> int:
         """K = q·N."""
         return int(round(self.sampling_rate * self.population))
@@ -153,6 +168,8 @@ class RunConfig:
         _check("sampling-rate", self.sampling_rate, abs(cohort - round(cohort)) < 1e-6 and round(cohort) >= 1,
                f"a rate whose expected cohort sampling-rate × population ({cohort:g} for population={self.population}) "
                "is a whole number ≥ 1")
+        if self.adaptive_clipping:
+            self._validate_adaptive_clipping()
         _check("delta", self.delta, 0 < self.delta < 1, "a number in (0, 1)")
         _check("delta", self.delta, self.delta < 1 / self.population,
                f"δ < 1/population = {1 / self.population:g} (a larger δ allows leaking one client outright)")
@@ -166,6 +183,20 @@ class RunConfig:
         _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
                "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
+
+    def _validate_adaptive_clipping(self) -> None:
+        if self.mechanism == "none":
+            raise ConfigError("adaptive-clipping=true needs mechanism 'gaussian' or 'hog' (mechanism='none' does not clip)")
+        _check("target-quantile", self.target_quantile, 0 < self.target_quantile < 1, "a number in (0, 1)")
+        _check("clipping-learning-rate", self.clipping_learning_rate,
+               math.isfinite(self.clipping_learning_rate) and self.clipping_learning_rate > 0, "a finite number > 0")
+        _check("count-noise-std", self.count_noise_std,
+               self.count_noise_std == -1 or (math.isfinite(self.count_noise_std) and self.count_noise_std >= 0),
+               "-1 (expected cohort / 20) or a finite number ≥ 0")
+        count_std = self.adaptive_clipping_settings.count_noise_std
+        if self.noise_multiplier > 0 and not count_std > self.noise_multiplier / 2:
+            raise ConfigError(f"count-noise-std={self.count_noise_std!r} (σ_b = {count_std:g}) must exceed "
+                              f"noise-multiplier/2 = {self.noise_multiplier / 2:g}; raise it or lower noise-multiplier")
 
     def _get(self, key: str) -> Any:
         return getattr(self, key.replace("-", "_"))

@@ -18,6 +18,7 @@ from .data import dataset_info, load_test_set
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
+from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.rng import PrivacyRng
 from .results import ResultsWriter, default_results_dir
 from .strategy import RoundRecord, SecureAggregator
@@ -45,8 +46,10 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
         accountant=config.accountant,
     )
     rng = PrivacyRng(None if config.privacy_seed < 0 else config.privacy_seed)
+    adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, rng, config.sampling,  # type: ignore[arg-type]
-                            config.sampling_rate, config.server_learning_rate, config.max_epsilon)
+                            config.sampling_rate, config.server_learning_rate, config.max_epsilon,
+                            None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier))
 
 
 def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
@@ -82,7 +85,8 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         save_checkpoint(writer.directory, Checkpoint(
             round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"]))
+            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"],
+            adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
 
     writer.update(privacy={
         "mechanism": config.mechanism,
@@ -108,6 +112,8 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
             initial = ArrayRecord(checkpoint.model)
             strategy.accountant.load_state_dict(checkpoint.accountant)
             strategy.rng.load_state_dict(checkpoint.rng)
+            if strategy.adaptive_clipping is not None and checkpoint.adaptive_clipping is not None:
+                strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
             first_round = checkpoint.round + 1
             log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
         result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=timeout,

@@ -7,6 +7,7 @@ trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
 from __future__ import annotations
 
 import math
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from .monitoring import reply_nbytes
 from .privacy.accounting import ClientLevelAccountant
+from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.mechanism import Contribution, MechanismSettings, aggregate
 from .privacy.rng import PrivacyRng
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
@@ -54,6 +56,8 @@ class RoundRecord:
     mean_mixing_ratio: float = math.nan
     third_order_seconds_max: float = math.nan
     third_order_failures: int = 0
+    clipping_norm: float = math.nan  # C that clipped this round
+    noisy_unclipped_fraction: float = math.nan  # adaptive clipping's DP release b̃
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
 
@@ -77,6 +81,10 @@ class SecureAggregator(Strategy):
         η: the global model moves by η times the aggregated update.
     max_epsilon : float
         Training stops before a release that would push ε above this.
+    adaptive_clipping : AdaptiveClipping, optional
+        Track a quantile of the contribution norms (Andrew et al. 2021): round t
+        clips at its current C and adds noise σ_Δ·C; the accountant composes σ,
+        which covers the update and the noisy count together.
     """
 
     def __init__(
@@ -88,6 +96,7 @@ class SecureAggregator(Strategy):
         sampling_rate: float,
         server_learning_rate: float = 1.0,
         max_epsilon: float = math.inf,
+        adaptive_clipping: AdaptiveClipping | None = None,
     ) -> None:
         self.mechanism = mechanism
         self.accountant = accountant
@@ -96,6 +105,7 @@ class SecureAggregator(Strategy):
         self.sampling_rate = sampling_rate
         self.server_learning_rate = server_learning_rate
         self.max_epsilon = max_epsilon
+        self.adaptive_clipping = adaptive_clipping
         self.slot_of_node: dict[int, int] = {}  # node id -> position in the population (see discover)
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
@@ -111,6 +121,8 @@ class SecureAggregator(Strategy):
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
         log(INFO, "\t├──> %r", self)
+        if self.adaptive_clipping is not None:
+            log(INFO, "\t├──> %r (the sum gets σ_Δ·C, the accountant composes σ)", self.adaptive_clipping)
         if self.accountant.has_guarantee:
             event = self.accountant.event
             log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
@@ -196,13 +208,21 @@ class SecureAggregator(Strategy):
         flat_global = _flatten(self._global, keys)
         xis = self.rng.standard_normals(len(contributions)) if self.mechanism.kind == "hog" else [0.0] * len(contributions)
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
+        settings = self.mechanism
+        if self.adaptive_clipping is not None:
+            settings = dataclasses.replace(settings, clipping_norm=self.adaptive_clipping.clipping_norm,
+                                           noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
         averaged, stats = aggregate(
-            [c for _, c, _ in contributions], self.mechanism, expected_cohort,
+            [c for _, c, _ in contributions], settings, expected_cohort,
             xis, self.rng.noise, flat_global.numel(), flat_global.dtype,
         )
         if self.mechanism.kind == "none" and not contributions:
             return None, None
-        self.accountant.compose_round()
+        record.clipping_norm = settings.clipping_norm
+        if self.adaptive_clipping is not None:
+            step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, self.rng.noise)
+            record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
+        self.accountant.compose_round()  # σ covers the update and, with adaptive clipping, the count
         new_flat = flat_global + self.server_learning_rate * averaged
         record.epsilon = self.accountant.epsilon()
         record.mean_norm_before_clip = stats.mean_norm_before_clip

@@ -177,7 +177,8 @@ NON_DEFAULT = {
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
-    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "metrics-port": 9464,
+    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
+    "count-noise-std": 2.5, "metrics-port": 9464,
     "results-dir": 'runs/with "quotes", back\\slash, tab\tand é',
 }
 

@@ -187,3 +187,14 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     snapshot = (tmp_path / "run" / "metrics.prom").read_text()
     final = {s.name: s.value for f in text_string_to_metric_families(snapshot) for s in f.samples}
     assert final["fedhog_rounds_total"] == 4
+
+
+def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_path):
+    fixed = _run(tmp_path / "fixed", rounds=5, **{"clipping-norm": 50.0})
+    adaptive = _run(tmp_path / "adaptive", rounds=5, **{"clipping-norm": 50.0, "adaptive-clipping": True,
+                                                         "count-noise-std": 1.0, "clipping-learning-rate": 0.5})
+    norms = [r["clipping_norm"] for r in adaptive["rounds"]]
+    assert norms[0] == 50.0 and norms[-1] < 50.0 * 0.5  # C far above every norm: b̃ ≈ 1 shrinks it
+    assert all(math.isfinite(r["noisy_unclipped_fraction"]) for r in adaptive["rounds"])  # noisy: may leave [0, 1]
+    # the accountant composes the overall σ, so ε is the same with or without adaptive clipping
+    assert [r["epsilon"] for r in adaptive["rounds"]] == pytest.approx([r["epsilon"] for r in fixed["rounds"]])

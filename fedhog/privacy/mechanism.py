@@ -72,6 +72,7 @@ class AggregateStats:
     fraction_clipped: float
     noise_std: float  # standard deviation of the noise on the averaged update
     mean_mixing_ratio: float  # mean ‖γ ξ (‖Δ‖/‖t‖) t‖ / ‖Δ‖ over contributions
+    norms_before_clip: tuple[float, ...] = ()  # ‖u_i‖ before clipping: private, for adaptive clipping only
 
 
 def mix_third_order(
@@ -158,6 +159,7 @@ def aggregate(
         fraction_clipped=_mean([float(n > settings.clipping_norm) for n in norms]),
         noise_std=sum_std / expected_cohort,
         mean_mixing_ratio=_mean(ratios),
+        norms_before_clip=tuple(norms),
     )
     return (total / expected_cohort).to(dtype), stats
 
