@@ -6,17 +6,19 @@ Thin by design: the work is in :mod:`fedhog.training` and
 
 from __future__ import annotations
 
+import json
 import time
 from functools import lru_cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
+from .dpsgd import train_dpsgd
 from .models import build_model
 from .monitoring import measure_peak_memory
 from .training import (
@@ -29,6 +31,7 @@ from .training import (
 )
 
 app = ClientApp()
+DPSGD_STATE = "dpsgd"  # context.state key: this node's Opacus accountant, carried across rounds
 
 
 @lru_cache(maxsize=8)
@@ -67,8 +70,16 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(global_state)
     global_state = {k: v.to(device) for k, v in global_state.items()}
 
-    local = train_locally(model, train_data, config.local_epochs, config.batch_size,
-                          config.learning_rate, config.momentum, seed, config.optimizer)
+    dpsgd = config.client_dp == "dpsgd"
+    if dpsgd:  # this node's record-level accountant lives in its context state across rounds
+        saved = context.state[DPSGD_STATE]["accountant-state"] if DPSGD_STATE in context.state else None
+        local, privacy = train_dpsgd(model, train_data, config.local_epochs, config.batch_size,
+                                     config.learning_rate, config.momentum, seed, config.dpsgd_settings,
+                                     json.loads(saved) if saved else None)
+        context.state[DPSGD_STATE] = ConfigRecord({"accountant-state": json.dumps(privacy.accountant_state)})
+    else:
+        local = train_locally(model, train_data, config.local_epochs, config.batch_size,
+                              config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
     _, validation_accuracy = evaluate(model, validation_data)
 
@@ -76,11 +87,13 @@ def train(msg: Message, context: Context) -> Message:
     metrics: dict[str, float | int] = {
         "partition-id": partition_id,
         "num-examples": len(train_data),
-        "train-loss": _finite_or(local.mean_loss, -1.0),
+        "train-loss": -1.0 if dpsgd else _finite_or(local.mean_loss, -1.0),  # raw-record statistic
         "local-steps": local.steps,
         "hog-step-cubic-steps": local.cubic_steps,
-        "validation-accuracy": _finite_or(validation_accuracy, -1.0),
+        "validation-accuracy": -1.0 if dpsgd else _finite_or(validation_accuracy, -1.0),
     }
+    if dpsgd:
+        metrics.update({"dpsgd-epsilon": privacy.epsilon, "dpsgd-steps": privacy.steps})
     if config.mechanism == "hog":
         model.load_state_dict(global_state)
         with measure_peak_memory(device) as peak:

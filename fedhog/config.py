@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from .dpsgd import DPSGD_ACCOUNTANTS, DpSgdSettings
 from .data import PARTITIONERS, DataSpec, validate_spec
 from .models import MODELS
 from .privacy.accounting import ACCOUNTANTS
@@ -24,6 +25,7 @@ from .privacy.sampling import SAMPLING_METHODS
 from .training import OPTIMIZERS
 
 HOG_DIRECTIONS = ("random", "update")
+CLIENT_DP = ("none", "dpsgd")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -70,6 +72,11 @@ class RunConfig:
     accountant: str = "pld"
     delta: float = 1e-5
     max_epsilon: float = math.inf
+    client_dp: str = "none"
+    dpsgd_noise_multiplier: float = 1.0
+    dpsgd_max_grad_norm: float = 1.0
+    dpsgd_delta: float = 1e-5
+    dpsgd_accountant: str = "prv"
     # reproducibility and output
     seed: int = 0
     privacy_seed: int = -1
@@ -138,6 +145,12 @@ class RunConfig:
                                         learning_rate=self.clipping_learning_rate)
 
     @property
+    def dpsgd_settings(self) -> DpSgdSettings:
+        """Sample-level DP-SGD on the clients (used when ``client-dp = "dpsgd"``)."""
+        return DpSgdSettings(self.dpsgd_noise_multiplier, self.dpsgd_max_grad_norm,
+                             self.dpsgd_delta, self.dpsgd_accountant)
+
+    @property
     def expected_cohort(self) -> int:
         """K = q·N."""
         return int(round(self.sampling_rate * self.population))
@@ -153,6 +166,17 @@ class RunConfig:
         _choice("accountant", self.accountant, ACCOUNTANTS)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("client-dp", self.client_dp, CLIENT_DP)
+        _choice("dpsgd-accountant", self.dpsgd_accountant, DPSGD_ACCOUNTANTS)
+        try:
+            self.dpsgd_settings
+        except ValueError as error:  # "dpsgd: max_grad_norm=0.0 ..." names the field: name the config key
+            field = str(error).removeprefix("dpsgd: ").split("=")[0]
+            raise ConfigError(str(error).replace(f"dpsgd: {field}", "dpsgd-" + field.replace("_", "-"), 1)) from None
+        if self.client_dp == "dpsgd" and (self.mechanism == "hog" or self.optimizer == "hog-step"):
+            raise ConfigError(f"client-dp='dpsgd' cannot be combined with mechanism={self.mechanism!r} / "
+                              f"optimizer={self.optimizer!r}: they send or use derivatives of the raw records, "
+                              "which the per-record ε does not cover")
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
                     "hog-batch-size", "classes-per-client"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")

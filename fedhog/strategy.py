@@ -58,6 +58,7 @@ class RoundRecord:
     third_order_failures: int = 0
     clipping_norm: float = math.nan  # C that clipped this round
     noisy_unclipped_fraction: float = math.nan  # adaptive clipping's DP release b̃
+    sample_level_epsilon_max: float = math.nan  # client-dp = dpsgd: largest per-client record-level ε
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
 
@@ -233,6 +234,8 @@ class SecureAggregator(Strategy):
         self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
+        record_epsilons = [m["dpsgd-epsilon"] for m in client_metrics if "dpsgd-epsilon" in m]
+        record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
         seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
         return _unflatten(new_flat, self._global, keys), MetricRecord(

@@ -177,7 +177,9 @@ NON_DEFAULT = {
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
-    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
+    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "client-dp": "none",  # dpsgd excludes optimizer hog-step
+    "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
+    "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,
     "results-dir": 'runs/with "quotes", back\\slash, tab\tand é',
 }
@@ -201,3 +203,18 @@ def test_config_to_toml_round_trip_astral_characters(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(config_to_toml(config), encoding="utf-8")
     assert load_config(path) == config
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"client-dp": "ldp"}, "client-dp"),
+    ({"client-dp": "dpsgd", "mechanism": "hog"}, "client-dp"),
+    ({"client-dp": "dpsgd", "mechanism": "gaussian", "optimizer": "hog-step"}, "client-dp"),
+    ({"dpsgd-max-grad-norm": 0.0}, "dpsgd-max-grad-norm"),
+    ({"dpsgd-accountant": "moments"}, "dpsgd-accountant"),
+    ({"adaptive-clipping": True, "mechanism": "none"}, "adaptive-clipping"),
+    ({"adaptive-clipping": True, "target-quantile": 1.0}, "target-quantile"),
+    ({"adaptive-clipping": True, "count-noise-std": 0.4, "noise-multiplier": 1.0}, "count-noise-std"),
+])
+def test_client_dp_and_adaptive_clipping_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        RunConfig().with_overrides(overrides)

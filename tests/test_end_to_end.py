@@ -198,3 +198,12 @@ def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_pa
     assert all(math.isfinite(r["noisy_unclipped_fraction"]) for r in adaptive["rounds"])  # noisy: may leave [0, 1]
     # the accountant composes the overall σ, so ε is the same with or without adaptive clipping
     assert [r["epsilon"] for r in adaptive["rounds"]] == pytest.approx([r["epsilon"] for r in fixed["rounds"]])
+
+
+def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
+    metrics = _run(tmp_path, rounds=3, mechanism="gaussian", **{"client-dp": "dpsgd", "sampling-rate": 1.0,
+                                                                "dpsgd-noise-multiplier": 1.0})
+    record_level = [r["sample_level_epsilon_max"] for r in metrics["rounds"]]
+    assert all(0 < e < math.inf for e in record_level)
+    assert record_level == sorted(record_level) and record_level[0] < record_level[-1]  # state carried per node
+    assert metrics["rounds"][-1]["accuracy"] > metrics["initial"]["accuracy"]
