@@ -1,29 +1,27 @@
-"""The ``fedhog`` command: ``fedhog run [CONFIG.toml] [--set key=value ...]``."""
+"""The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``, ``fedhog export``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .config import ConfigError, RunConfig, load_config, parse_override
+from .deploy import DeployError, deploy_local
+from .export import FORMATS, ExportError, export_model
+from .progress import console, format_value, read_metrics_file, watch_metrics
 from .results import config_to_toml, default_results_dir
 
 ENGINES = ("simulation", "inprocess")
 QUICKSTART = "configs/quickstart.toml"
-console = Console(stderr=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,23 +29,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedhog", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one federated training and report accuracy and ε")
-    run.add_argument("config", nargs="?", help=f"run-config TOML (default: {QUICKSTART})")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override one config key (repeatable), e.g. --set noise-multiplier=1.2")
+    _add_config_arguments(run)
     run.add_argument("--resume", metavar="RESULTS_DIR",
                      help="continue a stopped run from its last checkpoint (same config, same folder)")
     run.add_argument("--engine", choices=ENGINES, default="simulation",
                      help="Flower's Simulation Engine (Ray, via `flwr run`) or the in-process engine")
     run.add_argument("--client-cpus", type=int, default=1,
                      help="CPUs per simulated client (Simulation Engine only)")
+    deploy = commands.add_parser("deploy-local", help="run on a real local deployment: a SuperLink and "
+                                 "one SuperNode per client, started and stopped here")
+    _add_config_arguments(deploy)
+    deploy.add_argument("--nodes", type=int, help="SuperNodes to start; must equal population (default: population)")
+    deploy.add_argument("--tls", action="store_true", help="serve the SuperLink over TLS with a throwaway CA")
+    deploy.add_argument("--workdir", type=Path,
+                        help="keep FLWR_HOME, certificates and the run config here (default: a temporary folder)")
+    export = commands.add_parser("export", help="export the final model of a results folder for serving")
+    export.add_argument("results", type=Path, help="a results folder (config.toml, final_model.pt)")
+    export.add_argument("--format", dest="fmt", choices=FORMATS, default="torchscript",
+                        help="TorchScript (LibTorch, DJL) or a plain state dict")
+    export.add_argument("--out", type=Path, help="output file (default: model.<format>.pt in the results folder)")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return export_command(args.results, args.fmt, args.out)
     try:
-        config = (_resume_config(args.resume, args.config, args.overrides) if args.resume
+        config = (_resume_config(args.resume, args.config, args.overrides) if getattr(args, "resume", None)
                   else _resolve_config(args.config, args.overrides))
     except ConfigError as error:
         console.print(f"[bold red]config error:[/] {error}")
         return 2
+    if args.command == "deploy-local":
+        return deploy_command(config, args.nodes or config.population, args.tls, args.workdir)
     return run_command(config, args.engine, args.client_cpus)
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help=f"run-config TOML (default: {QUICKSTART})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key (repeatable), e.g. --set noise-multiplier=1.2")
 
 
 def _resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
@@ -83,13 +101,38 @@ def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
     if engine == "inprocess":
         worker = threading.Thread(target=_run_inprocess, args=(config, outcome), daemon=True)
         worker.start()
-        _watch(directory, config.rounds, worker.is_alive)
+        watch_metrics(directory, config.rounds, worker.is_alive)
         worker.join()
         failed = "error" in outcome
     else:
         returncode = _run_simulation_engine(config, directory, client_cpus)
         failed = returncode != 0
     return _report(directory, failed, outcome.get("error"))
+
+
+def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Path | None = None) -> int:
+    """Run ``config`` on a local SuperLink with ``nodes`` SuperNodes (:func:`deploy_local`); print the summary."""
+    directory = Path(config.results_dir)
+    _print_privacy_banner(config)
+    try:
+        deploy_local(config, nodes, tls=tls, workdir=workdir)
+    except ConfigError as error:
+        console.print(f"[bold red]config error:[/] {error}")
+        return 2
+    except DeployError as error:
+        return _report(directory, True, error)
+    return _report(directory, False, None)
+
+
+def export_command(results: Path, fmt: str, out: Path | None = None) -> int:
+    """Export the final model of ``results`` (:func:`export_model`); print where it went."""
+    try:
+        path = export_model(results, fmt, out)  # type: ignore[arg-type]
+    except ExportError as error:
+        console.print(f"[bold red]export error:[/] {error}")
+        return 2
+    console.print(f"{fmt} model → [bold]{path}[/]")
+    return 0
 
 
 def _run_inprocess(config: RunConfig, outcome: dict[str, object]) -> None:
@@ -120,7 +163,7 @@ def _run_simulation_engine(config: RunConfig, directory: Path, client_cpus: int)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=app_dir)
         try:
-            _watch(directory, config.rounds, lambda: process.poll() is None)
+            watch_metrics(directory, config.rounds, lambda: process.poll() is None)
         except KeyboardInterrupt:
             process.terminate()
             raise
@@ -133,26 +176,8 @@ def _run_simulation_engine(config: RunConfig, directory: Path, client_cpus: int)
     return process.returncode
 
 
-def _watch(directory: Path, rounds: int, running) -> None:
-    """Show round, accuracy and ε from ``metrics.json`` while ``running()``."""
-    columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("training", total=rounds, status="starting…")
-        while True:
-            alive = running()
-            document = _read(directory / "metrics.json")
-            if document and document.get("rounds"):
-                last = document["rounds"][-1]
-                progress.update(task, completed=last["round"],
-                                status=f"accuracy {_fmt(last['accuracy'])}  ε {_fmt(last['epsilon'])}")
-            if not alive:
-                break
-            time.sleep(0.5)
-
-
 def _report(directory: Path, failed: bool, error: object) -> int:
-    document = _read(directory / "metrics.json")
+    document = read_metrics_file(directory / "metrics.json")
     if failed or not document or document.get("status") != "finished":
         reason = error or (document or {}).get("error") or "the run did not finish"
         console.print(f"[bold red]run failed:[/] {reason}\nwhat was done is in {directory}")
@@ -161,7 +186,7 @@ def _report(directory: Path, failed: bool, error: object) -> int:
     table = Table(title="fedhog run summary", show_header=False)
     table.add_row("rounds", f"{summary['rounds_completed']} of {summary['rounds_planned']}"
                   + ("  (stopped: max-epsilon reached)" if summary["stopped_by_budget"] else ""))
-    table.add_row("test accuracy", f"{_fmt(summary['initial_accuracy'])} → {_fmt(summary['final_accuracy'])}")
+    table.add_row("test accuracy", f"{format_value(summary['initial_accuracy'])} → {format_value(summary['final_accuracy'])}")
     epsilon = summary["epsilon"]
     table.add_row("privacy", "[bold red]ε = ∞: NO differential privacy[/]" if epsilon == "inf"
                   else f"(ε = {epsilon:.3f}, δ = {summary['delta']:g}), client-level")
@@ -175,21 +200,6 @@ def _print_privacy_banner(config: RunConfig) -> None:
     if not config.mechanism_settings.has_guarantee:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def _fmt(value: object) -> str:
-    if value is None:
-        return "–"
-    if value == "inf" or (isinstance(value, float) and math.isinf(value)):
-        return "∞"
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":

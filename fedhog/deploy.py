@@ -37,6 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from .progress import watch_metrics
 from .config import ConfigError, RunConfig
 from .results import config_to_toml, default_results_dir
 
@@ -382,7 +383,6 @@ def deploy_local(
     DeployError
         If the federation does not come up, a process dies, the run times out or does not finish.
     """
-    from .cli import _watch  # the progress display of `fedhog run`
 
     if config.population != nodes:
         raise ConfigError(f"population={config.population} must equal the number of SuperNodes (nodes={nodes})")
@@ -413,7 +413,7 @@ def deploy_local(
                 problem.append(f"the run timed out after {timeout:g} s")
             return run.poll() is None and not problem
 
-        _watch(directory, config.rounds, running)
+        watch_metrics(directory, config.rounds, running)
         if problem:
             raise DeployError(f"{problem[0]}; the flwr run log: {directory / 'flwr.log'}")
         if run.returncode != 0:

@@ -60,8 +60,8 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
     except ValueError as error:  # ConfigError, or a dataset the data module rejects
         raise ExportError(f"{config_path} is not a usable run config: {error}") from None
     if not weights_path.is_file():
-        unfinished = " (latest_model.pt is there: the run did not finish)" if (
-            results_dir / "latest_model.pt").is_file() else ""
+        unfinished = (" (checkpoint.pt is there: the run did not finish; `fedhog run --resume` it)"
+                      if (results_dir / "checkpoint.pt").is_file() else "")
         raise ExportError(f"results_dir={str(results_dir)!r} has no final_model.pt{unfinished}")
     try:
         state = torch.load(weights_path, map_location="cpu", weights_only=True)

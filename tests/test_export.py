@@ -110,7 +110,7 @@ def test_missing_results_folder(tmp_path):
 
 def test_unfinished_run(tmp_path):
     directory, network = _hand_made(tmp_path, "logreg")
-    (directory / "final_model.pt").rename(directory / "latest_model.pt")
+    (directory / "final_model.pt").rename(directory / "checkpoint.pt")
     with pytest.raises(ExportError, match="no final_model.pt .*did not finish"):
         export_model(directory, "torchscript")
 

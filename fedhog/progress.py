@@ -1,0 +1,49 @@
+"""The live progress display of a run: round, accuracy and ε, read from ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+
+def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
+    """Show round, accuracy and ε from ``metrics.json`` while ``running()``."""
+    columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("training", total=rounds, status="starting…")
+        while True:
+            alive = running()
+            document = read_metrics_file(directory / "metrics.json")
+            if document and document.get("rounds"):
+                last = document["rounds"][-1]
+                progress.update(task, completed=last["round"],
+                                status=f"accuracy {format_value(last['accuracy'])}  ε {format_value(last['epsilon'])}")
+            if not alive:
+                break
+            time.sleep(0.5)
+
+
+def read_metrics_file(path: Path) -> dict | None:
+    """``metrics.json`` as a dict, or None while it does not exist or is being replaced."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def format_value(value: object) -> str:
+    """A metric for display: ∞ for inf, – for missing, 3 decimals for floats."""
+    if value is None:
+        return "–"
+    if value == "inf" or (isinstance(value, float) and math.isinf(value)):
+        return "∞"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
