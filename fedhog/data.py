@@ -22,6 +22,8 @@ therefore always has at least one training example; a client with none gets
 empty arrays of the right shape and dtype.
 """
 
+from __future__ import annotations
+
 import functools
 import hashlib
 import json
@@ -31,16 +33,13 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from datasets import Dataset
-from flwr_datasets import FederatedDataset
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from flwr_datasets.partitioner import Partitioner
 
 DATASETS = ("mnist1d", "digits", "synthetic")
 PARTITIONERS = ("iid", "dirichlet", "pathological")
@@ -254,6 +253,10 @@ def _train_val_split(
 
 
 def _make_partitioner(spec: DataSpec) -> Partitioner:
+    # flwr-datasets and datasets are imported where used: they cost ~1 s of every fresh
+    # ClientApp process, and a process builds its partition once.
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
     if spec.partitioner == "iid":  # contiguous shards of the (shuffled) pool
         return IidPartitioner(spec.num_partitions)
     if spec.partitioner == "dirichlet":
@@ -283,6 +286,8 @@ def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
             "classes_per_partition", spec.classes_per_partition,
             f"at most the {num_classes} classes of dataset={spec.dataset!r}",
         )
+    from datasets import Dataset
+
     partitioner = _make_partitioner(spec)
     partitioner.dataset = Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
     try:
@@ -426,6 +431,8 @@ def _load_hf(dataset_id: str, seed: int) -> tuple[np.ndarray, np.ndarray, ArrayD
     partitioned by :func:`_partition`, like the offline datasets, so the
     placeholder partitioner given to ``FederatedDataset`` is never used.
     """
+    from flwr_datasets import FederatedDataset
+
     fds = FederatedDataset(dataset=dataset_id, partitioners={"train": 1}, seed=seed)
     train = fds.load_split("train")
     x, y = _hf_arrays(train)

@@ -30,11 +30,6 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from opacus.accountants import create_accountant
-from opacus.grad_sample import GradSampleHooks
-from opacus.optimizers import DPOptimizer
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
-from opacus.validators import ModuleValidator
 from torch import nn
 
 from .data import ArrayData
@@ -162,6 +157,13 @@ def train_dpsgd(
     accountant = _accountant(settings, accountant_state)
     if len(data) == 0:
         return LocalTraining(float("nan"), 0, 0), _privacy(accountant, settings)
+    # Opacus is imported here, not at module level: a ClientApp message runs in a fresh process
+    # on a deployment, and only DP-SGD clients should pay for the import (~1.4 s).
+    from opacus.grad_sample import GradSampleHooks
+    from opacus.optimizers import DPOptimizer
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+    from opacus.validators import ModuleValidator
+
     ModuleValidator.validate(model, strict=True)
 
     device = next(model.parameters()).device
@@ -228,6 +230,8 @@ def _generators(
 
 
 def _accountant(settings: DpSgdSettings, state: Mapping[str, Any] | None):
+    from opacus.accountants import create_accountant  # lazily, as in train_dpsgd
+
     accountant = create_accountant(settings.accountant)
     if state is None:
         return accountant

@@ -26,7 +26,6 @@ from flwr.supercore.privacy_accounting import (
     SamplingMethod,
 )
 
-from .pld import PldAccountant
 from .sampling import SamplingKind, expected_cohort_size
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
@@ -76,6 +75,8 @@ def privacy_config(sampling: SamplingKind, population: int, delta: float) -> Pri
 def new_backend(config: PrivacyConfig, accountant: str) -> PrivacyAccountant:
     """A fresh Flower-protocol accountant: ``"pld"`` (fedhog's grid width) or ``"rdp"``."""
     if accountant == "pld":
+        from .pld import PldAccountant  # dp-accounting's PLD: imported by servers only, not clients
+
         return PldAccountant(config, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
     if accountant == "rdp":
         return RdpAccountant(config)
@@ -161,7 +162,7 @@ class ClientLevelAccountant:
             return False
         if self._backend is None:
             return True
-        if isinstance(self._backend, PldAccountant):
+        if self.method == "pld":
             # one composition with count T+1, cached for the next round's epsilon()
             return self._backend.would_exceed(self._event, max_epsilon)
         # Every round releases the same event, so one composition of it with count T+1
