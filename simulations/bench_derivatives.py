@@ -2,11 +2,11 @@
 
 For each model (MLP, MNIST-1D 1-D CNN, ~1M-parameter MLP; ``--full`` adds a ~5M
 MLP) and each formulation (Taylor mode, nested ``torch.func``, nested
-``autograd``), the median wall time of a quantity is divided by the median time
-of one ``torch.autograd.grad`` forward+backward of the same batch, measured
-interleaved with it.  Peak memory of the gradient and of the third-order vector
-is the growth of the peak resident set size (Linux ``VmHWM``, reset through
-``/proc/self/clear_refs``) during one call in a fresh subprocess.
+``autograd``), a quantity is timed alternately with one ``torch.autograd.grad``
+forward+backward of the same batch; the reported ratio is the median of the
+per-pair time ratios.  Peak memory of the gradient and of the third-order
+vector is the growth of the peak resident set size (Linux ``VmHWM``, reset
+through ``/proc/self/clear_refs``) during one call in a fresh subprocess.
 
 Usage::
 
@@ -101,18 +101,22 @@ def baseline(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
 
 
 def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budget_s: float) -> float:
-    """Median time of ``f`` over median time of ``base``, alternating the two."""
+    """Median over alternating runs of ``time(f) / time(base)``.
+
+    Each ratio pairs ``f`` with the gradient run just before it, so load from
+    other processes that drifts over seconds cancels out.
+    """
     f(), base()
-    tf, tb = [], []
+    ratios = []
     start = time.perf_counter()
-    while len(tf) < 3 or (time.perf_counter() - start < budget_s and len(tf) < 50):
+    while len(ratios) < 5 or (time.perf_counter() - start < budget_s and len(ratios) < 100):
         s = time.perf_counter()
         base()
-        tb.append(time.perf_counter() - s)
+        tb = time.perf_counter() - s
         s = time.perf_counter()
         f()
-        tf.append(time.perf_counter() - s)
-    return statistics.median(tf) / statistics.median(tb)
+        ratios.append((time.perf_counter() - s) / tb)
+    return statistics.median(ratios)
 
 
 def peak_child(model_name: str, quantity: str, method: str, threads: int) -> float:
