@@ -190,6 +190,10 @@ def _report(directory: Path, failed: bool, error: object) -> int:
     epsilon = summary["epsilon"]
     table.add_row("privacy", "[bold red]ε = ∞: NO differential privacy[/]" if epsilon == "inf"
                   else f"(ε = {epsilon:.3f}, δ = {summary['delta']:g}), client-level")
+    privacy = document.get("privacy", {})
+    if privacy.get("has_guarantee"):
+        calibrated = f" (calibrated to ε = {privacy['target_epsilon']:g})" if privacy.get("target_epsilon") else ""
+        table.add_row("noise", f"σ = {privacy['noise_multiplier']:.4g}{calibrated}, {privacy['accountant']} accountant")
     table.add_row("wall time", f"{document['seconds']:.1f} s")
     table.add_row("results", str(directory))
     Console().print(table)

@@ -115,11 +115,17 @@ def third_order_term(
     """t = ∇_θ(vᵀ∇²L(θ)v) at the model's parameters on one local batch.
 
     v is a random unit direction from ``seed`` (``hog-direction = random``) or
-    the unit local update (``update``; random when the update is zero).
+    the unit local update (``update``; random when the update is zero). With
+    ``hog-term = random`` (the control experiment) t is instead an isotropic
+    random direction: the same mixing, without the third-order structure.
     Returns the term, whether it is finite, and the seconds it took.
     """
     started = time.perf_counter()
     params = dict(model.named_parameters())
+    if config.hog_term == "random":
+        term_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+        term = random_direction({k: p.detach() for k, p in params.items()}, term_seed)
+        return term, True, time.perf_counter() - started
     direction = unit_direction(update) if config.hog_direction == "update" else None
     if direction is None:
         direction = random_direction({k: p.detach() for k, p in params.items()}, seed)

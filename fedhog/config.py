@@ -9,6 +9,7 @@ The defaults here are the ``[tool.flwr.app.config]`` of ``pyproject.toml``.
 from __future__ import annotations
 
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, fields
@@ -25,6 +26,7 @@ from .privacy.sampling import SAMPLING_METHODS
 from .training import OPTIMIZERS
 
 HOG_DIRECTIONS = ("random", "update")
+HOG_TERMS = ("third-order", "random")
 CLIENT_DP = ("none", "dpsgd")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -62,12 +64,14 @@ class RunConfig:
     mechanism: str = "hog"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
+    target_epsilon: float = 0.0
     mixing_strength: float = 0.5
     adaptive_clipping: bool = False
     target_quantile: float = 0.5
     clipping_learning_rate: float = 0.2
     count_noise_std: float = -1.0
     hog_direction: str = "random"
+    hog_term: str = "third-order"
     hog_batch_size: int = 32
     accountant: str = "pld"
     delta: float = 1e-5
@@ -163,6 +167,7 @@ class RunConfig:
         _choice("mechanism", self.mechanism, MECHANISMS)
         _choice("sampling", self.sampling, SAMPLING_METHODS)
         _choice("hog-direction", self.hog_direction, HOG_DIRECTIONS)
+        _choice("hog-term", self.hog_term, HOG_TERMS)
         _choice("accountant", self.accountant, ACCOUNTANTS)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -197,9 +202,15 @@ class RunConfig:
         _check("delta", self.delta, 0 < self.delta < 1, "a number in (0, 1)")
         _check("delta", self.delta, self.delta < 1 / self.population,
                f"δ < 1/population = {1 / self.population:g} (a larger δ allows leaking one client outright)")
+        _check("target-epsilon", self.target_epsilon,
+               self.target_epsilon == 0 or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
+               "0 (off: use noise-multiplier) or a finite ε > 0")
+        if self.target_epsilon > 0 and self.mechanism == "none":
+            raise ConfigError(f"target-epsilon={self.target_epsilon:g} needs mechanism 'gaussian' or 'hog' "
+                              "(mechanism='none' adds no noise)")
         _check("max-epsilon", self.max_epsilon, self.max_epsilon > 0 and not math.isnan(self.max_epsilon),
                "a number > 0 or inf")
-        if math.isfinite(self.max_epsilon) and not self.mechanism_settings.has_guarantee:
+        if math.isfinite(self.max_epsilon) and not self.mechanism_settings.has_guarantee and self.target_epsilon == 0:
             raise ConfigError(
                 f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "
                 f"noise-multiplier={self.noise_multiplier:g} has no DP guarantee (ε = ∞)"
@@ -207,6 +218,20 @@ class RunConfig:
         _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
                "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
+
+    def calibrated(self) -> "RunConfig":
+        """This config with σ calibrated to ``target-epsilon`` (itself when that is off).
+
+        The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
+        the target, for this sampling and accountant (a bisection on the accountant).
+        """
+        if self.target_epsilon == 0:
+            return self
+        from .privacy.calibration import calibrate_noise_multiplier  # server-side only
+
+        sigma = calibrate_noise_multiplier(self.target_epsilon, self.delta, self.rounds, self.sampling,
+                                           self.sampling_rate, self.population, self.accountant)
+        return dataclasses.replace(self, noise_multiplier=sigma)
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":
@@ -229,6 +254,7 @@ class RunConfig:
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``) and apply overrides."""
     values: dict[str, Any] = {}
+    overrides = dict(overrides or {})
     if path is not None:
         try:
             with open(path, "rb") as handle:
@@ -238,7 +264,13 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
         values = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document)
-    return RunConfig.from_mapping({**values, **(overrides or {})})
+    for source in (values, overrides):
+        if source.get("target-epsilon", 0) and "noise-multiplier" in source:
+            raise ConfigError(f"noise-multiplier={source['noise-multiplier']!r} and target-epsilon="
+                              f"{source['target-epsilon']!r} are both set: give σ, or the ε to calibrate σ for, not both")
+    if "target-epsilon" in overrides or "noise-multiplier" in overrides:  # an override replaces the other's file value
+        values = {k: v for k, v in values.items() if k not in ("target-epsilon", "noise-multiplier")}
+    return RunConfig.from_mapping({**values, **overrides})
 
 
 def parse_override(text: str) -> tuple[str, Any]:

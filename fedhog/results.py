@@ -47,6 +47,9 @@ def config_to_toml(config: RunConfig) -> str:
     """The resolved config as a flat TOML document that :func:`load_config` reads back."""
     lines = ["# fedhog run config, as resolved for this run"]
     for key, value in config.to_mapping().items():
+        if key == "noise-multiplier" and config.target_epsilon > 0:
+            lines.append("# noise-multiplier is calibrated to target-epsilon at the start of the run")
+            continue
         lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 

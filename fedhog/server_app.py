@@ -68,6 +68,10 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
     log(INFO, "fedhog results folder: %s", writer.directory)
     monitor = ServerMetrics()
 
+    if config.target_epsilon > 0:
+        config = config.calibrated()
+        log(INFO, "noise-multiplier σ=%.6g calibrated to target-epsilon=%g (δ=%g, %d rounds)",
+            config.noise_multiplier, config.target_epsilon, config.delta, config.rounds)
     input_shape, num_classes = dataset_info(config.data_spec)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes)
@@ -92,6 +96,8 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
         "mechanism": config.mechanism,
         "has_guarantee": strategy.accountant.has_guarantee,
         "accountant": strategy.accountant.method,
+        "noise_multiplier": config.noise_multiplier,
+        "target_epsilon": config.target_epsilon or None,
         "accountant_noise_multiplier": strategy.accountant.event.noise_multiplier
         if strategy.accountant.event else None,
         "delta": config.delta,

@@ -176,8 +176,9 @@ NON_DEFAULT = {
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
-    "hog-direction": "update", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
-    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "client-dp": "none",  # dpsgd excludes optimizer hog-step
+    "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
+    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off
+    "client-dp": "none",  # dpsgd excludes optimizer hog-step
     "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
     "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,
@@ -218,3 +219,17 @@ def test_config_to_toml_round_trip_astral_characters(tmp_path):
 def test_client_dp_and_adaptive_clipping_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         RunConfig().with_overrides(overrides)
+
+
+def test_noise_multiplier_and_target_epsilon_together_are_refused(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text("noise-multiplier = 1.2\ntarget-epsilon = 3.0\n")
+    with pytest.raises(ConfigError, match="noise-multiplier=1.2 and target-epsilon=3.0 are both set"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(None, {"noise-multiplier": 1.2, "target-epsilon": 3.0})
+    # an override of one replaces the file's other
+    path.write_text("noise-multiplier = 1.2\n")
+    assert load_config(path, {"target-epsilon": 3.0}).target_epsilon == 3.0
+    with pytest.raises(ConfigError, match="target-epsilon"):
+        RunConfig().with_overrides({"target-epsilon": -1.0})

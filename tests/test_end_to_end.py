@@ -207,3 +207,35 @@ def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
     assert all(0 < e < math.inf for e in record_level)
     assert record_level == sorted(record_level) and record_level[0] < record_level[-1]  # state carried per node
     assert metrics["rounds"][-1]["accuracy"] > metrics["initial"]["accuracy"]
+
+
+def test_target_epsilon_calibrates_sigma_and_is_met(tmp_path):
+    metrics = _run(tmp_path, rounds=4, mechanism="gaussian", **{"target-epsilon": 3.0})
+    assert metrics["privacy"]["target_epsilon"] == 3.0
+    sigma = metrics["privacy"]["noise_multiplier"]
+    assert 0 < sigma != RunConfig().noise_multiplier
+    assert 2.9 < metrics["summary"]["epsilon"] <= 3.0  # the smallest σ that meets the target
+    # the saved config reads back and calibrates to the same σ (what --resume does)
+    from fedhog.config import load_config
+    reloaded = load_config(tmp_path / "run" / "config.toml")
+    assert reloaded.target_epsilon == 3.0 and reloaded.calibrated().noise_multiplier == pytest.approx(sigma)
+
+
+def test_random_term_control_mixes_an_isotropic_direction(tmp_path):
+    """hog-term = random: same mixing strength, no derivatives, a different (seeded) direction."""
+    from fedhog.client_app import third_order_term
+    from fedhog.data import load_client_data
+
+    config = RunConfig().with_overrides({**SMALL, "hog-term": "random"})
+    model = build_model(config.model, *dataset_info(config.data_spec))
+    data, _ = load_client_data(config.data_spec, 0)
+    update = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    term, finite, _ = third_order_term(model, data, update, config, seed=5)
+    again, _, _ = third_order_term(model, data, update, config, seed=5)
+    true_term, _, _ = third_order_term(model, data, update, config.with_overrides({"hog-term": "third-order"}), 5)
+    flat = torch.cat([t.reshape(-1) for t in term.values()])
+    assert finite and flat.norm().item() == pytest.approx(1.0, abs=1e-5)
+    assert all(torch.equal(term[k], again[k]) for k in term)
+    assert not all(torch.allclose(term[k], true_term[k]) for k in term)
+    metrics = _run(tmp_path, rounds=2, **{"hog-term": "random"})
+    assert metrics["status"] == "finished" and all(r["mean_mixing_ratio"] > 0 for r in metrics["rounds"])
