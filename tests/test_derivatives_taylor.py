@@ -144,3 +144,20 @@ def test_taylor_reports_non_finite():
     v["0.weight"][0, 0] = float("nan")
     assert not third_order_vector(model, x, y, v, method="taylor").finite
     assert not directional_derivatives(model, x, y, v, 3, method="taylor").finite
+
+
+def test_taylor_float32_matches_float64_reference():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv1d(1, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(24, 3))
+    x, y = torch.randn(8, 1, 8), torch.randint(0, 3, (8,))
+    v = {k: torch.randn_like(p) for k, p in model.named_parameters()}
+    t32 = third_order_vector(model, x, y, v, method="taylor")
+    d32 = directional_derivatives(model, x, y, v, 4, method="taylor")
+    assert t32.vector["0.weight"].dtype == torch.float32 and d32.values.dtype == torch.float32
+    model64 = model.double()
+    v64 = {k: t.double() for k, t in v.items()}
+    t64 = third_order_vector(model64, x.double(), y, v64, method="autograd")
+    d64 = directional_derivatives(model64, x.double(), y, v64, 4, method="torch.func")
+    for k in v:
+        torch.testing.assert_close(t32.vector[k].double(), t64.vector[k], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(d32.values.double(), d64.values, rtol=1e-4, atol=1e-5)
