@@ -1,0 +1,197 @@
+"""Sweeps: grid expansion, validation, resumable runs, tidy outputs and paired statistics."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fedhog.sweep import SweepError, cell_id_of, load_sweep, privacy_seed_for, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "sweep_smoke.toml"
+PNG_HEADER = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The smoke sweep, run once for the module: (sweep, outcome)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        sweep = load_sweep(SMOKE, tmp_path_factory.mktemp("smoke") / "out")
+        yield sweep, run_sweep(sweep, show_progress=False)
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_grid_is_every_variant_times_every_combination(tmp_path):
+    path = _write(tmp_path, """
+output = "out"
+[base]
+dataset = "digits"
+model = "logreg"
+population = 10
+sampling-rate = 0.5
+[grid]
+target-epsilon = [1.0, 3.0, 8.0]
+seed = [0, 1]
+[[variants]]
+name = "gaussian"
+mechanism = "gaussian"
+[[variants]]
+name = "hog-γ1"
+mechanism = "hog"
+mixing-strength = 1.0
+""")
+    sweep = load_sweep(path)
+    assert len(sweep.cells) == 2 * 3 * 2
+    combos = {(c.variant, c.config.target_epsilon, c.config.seed) for c in sweep.cells}
+    assert combos == set(itertools.product(["gaussian", "hog-γ1"], [1.0, 3.0, 8.0], [0, 1]))
+    assert len({c.cell_id for c in sweep.cells}) == len(sweep.cells)
+    assert {c.cell_id for c in sweep.cells} == {c.cell_id for c in load_sweep(path).cells}  # stable
+    assert "hog-gamma1__target-epsilon=3.0__seed=1" in {c.cell_id for c in sweep.cells}
+    for cell in sweep.cells:
+        assert cell.config.privacy_seed == privacy_seed_for(cell.config.seed)
+        assert cell.directory == (Path.cwd() / "out" / "runs" / cell.cell_id).resolve()
+        assert (cell.config.mechanism, cell.config.mixing_strength) == (
+            ("gaussian", 0.5) if cell.variant == "gaussian" else ("hog", 1.0))
+    assert privacy_seed_for(0) != privacy_seed_for(1)
+    assert sweep.condition_keys == ["target-epsilon"] and sweep.replicate_keys == ["seed"]
+
+
+def test_without_variants_the_mechanism_names_the_cells(tmp_path):
+    sweep = load_sweep(_write(tmp_path, """
+output = "out"
+[base]
+noise-multiplier = 1.0
+[grid]
+mechanism = ["gaussian", "hog"]
+seed = [0, 1, 2]
+"""))
+    assert [c.variant for c in sweep.cells] == ["gaussian"] * 3 + ["hog"] * 3
+    assert sweep.cells[0].cell_id == cell_id_of(None, {"mechanism": "gaussian", "seed": 0})
+    assert sweep.condition_keys == []
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('output = "o"\nnoise = 1', "unknown key 'noise'"),
+    ('[grid]\nseed = [0]', "output=None"),
+    ('output = "o"\n[grid]\nseed = 3', "grid key 'seed' must be a non-empty list.*3"),
+    ('output = "o"\n[grid]\nseed = []', "grid key 'seed' must be a non-empty list"),
+    ('output = "o"\n[grid]\nseed = [1, 1]', "grid key 'seed' repeats a value"),
+    ('output = "o"\n[grid]\nnoise-multipler = [1.0]', r"\[grid\]: unknown run-config key 'noise-multipler'"),
+    ('output = "o"\n[base]\nresults-dir = "x"', r"\[base\]: 'results-dir' is set by the sweep"),
+    ('output = "o"\n[base]\nseed = 1\n[grid]\nseed = [0]', "'seed' is in both"),
+    ('output = "o"\n[[variants]]\nmechanism = "hog"', "variant #1 .* needs a 'name'"),
+    ('output = "o"\n[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "variant name 'a' is used twice"),
+    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1', "variant 'a' sets 'seed'"),
+    ('output = "o"\n[[variants]]\nname = "a"\nmixing = 1.0', "variant 'a': unknown run-config key 'mixing'"),
+    ('output = "o"\npaired = [["a", "b"]]\n[[variants]]\nname = "a"', "no variant 'b'"),
+    ('output = "o"\n[grid]\nmechanism = ["hog", "laplace"]', "cell 'mechanism=laplace': mechanism='laplace'"),
+    ('output = "o"\n[base]\nnoise-multiplier = 1.0\n[grid]\ntarget-epsilon = [1.0]',
+     "cell 'target-epsilon=1.0': noise-multiplier=1.0 and target-epsilon=1.0 are both set"),
+    ('output = "o"\n[grid]\nseed = ["zero"]', "cell 'seed=zero': seed='zero' has the wrong type"),
+])
+def test_bad_sweep_files_name_the_key(tmp_path, text, match):
+    with pytest.raises(SweepError, match=match):
+        load_sweep(_write(tmp_path, text))
+
+
+def test_the_smoke_sweep_writes_the_csv_summary_and_plots(smoke):
+    sweep, outcome = smoke
+    assert not outcome.failed and len(outcome.ran) == 8 and not outcome.skipped
+    rows = _read_csv(sweep.output / "results.csv")
+    assert len(rows) == 8 * (2 + 1)  # 8 cells × (round 0 + 2 rounds)
+    for key in ("cell_id", "variant", "mechanism", "target-epsilon", "seed", "mixing-strength", "round",
+                "accuracy", "loss", "epsilon", "seconds", "sigma", "cell_seconds"):
+        assert key in rows[0], key
+    assert {(r["cell_id"], r["round"]) for r in rows} == {(c.cell_id, str(i)) for c in sweep.cells for i in range(3)}
+    finals = [r for r in rows if r["round"] == "2"]
+    for row in finals:
+        assert 0 < float(row["epsilon"]) <= float(row["target-epsilon"]) * 1.001
+    # paired cells (same seed) share the initial model and the cohorts
+    for seed in ("0", "1"):
+        same_seed = [r for r in rows if r["seed"] == seed]
+        assert len({r["accuracy"] for r in same_seed if r["round"] == "0"}) == 1
+        assert len({r["clients_sampled"] for r in same_seed if r["round"] == "1"}) == 1
+    summary = (sweep.output / "summary.md").read_text()
+    assert "8 of 8 cells finished" in summary
+    lines = summary.splitlines()
+    assert [line.split(" | ")[:2] for line in lines if line.startswith(("| gaussian | 3", "| hog | 8"))] == [
+        ["| gaussian", "3.0"], ["| hog", "8.0"]]
+    assert sum(line.startswith("| gaussian | hog | ") for line in lines) == 2  # one paired row per ε
+    for name in ("accuracy_vs_round.png", "accuracy_vs_epsilon.png"):
+        data = (sweep.output / name).read_bytes()
+        assert data.startswith(PNG_HEADER) and len(data) > 5000
+
+
+def test_paired_statistics_match_scipy_on_the_csv(smoke):
+    sweep, outcome = smoke
+    rows = [r for r in _read_csv(sweep.output / "results.csv") if r["round"] == "2"]
+    summary = (sweep.output / "summary.md").read_text()
+    assert [c.condition for c in outcome.comparisons] == [(("target-epsilon", 3.0),), (("target-epsilon", 8.0),)]
+    for comparison in outcome.comparisons:
+        epsilon = str(comparison.condition[0][1])
+        final = {(r["variant"], r["seed"]): float(r["accuracy"]) for r in rows if r["target-epsilon"] == epsilon}
+        a = np.array([final["gaussian", s] for s in ("0", "1")])
+        b = np.array([final["hog", s] for s in ("0", "1")])
+        t_test, wilcoxon = stats.ttest_rel(b, a), stats.wilcoxon(b - a)
+        assert comparison.replicates == ((0,), (1,))
+        assert comparison.differences == pytest.approx(b - a)
+        assert comparison.t_statistic == pytest.approx(t_test.statistic, nan_ok=True)
+        assert comparison.t_pvalue == pytest.approx(t_test.pvalue, nan_ok=True)
+        assert comparison.wilcoxon_statistic == pytest.approx(wilcoxon.statistic, nan_ok=True)
+        assert comparison.wilcoxon_pvalue == pytest.approx(wilcoxon.pvalue, nan_ok=True)
+        assert f"{comparison.mean:+.4f}" in summary
+
+
+def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke, tmp_path):
+    sweep, _ = smoke
+    output = tmp_path / "copy"
+    shutil.copytree(sweep.output, output)
+    copy = load_sweep(SMOKE, output)
+    mtimes = {c.cell_id: (c.directory / "metrics.json").stat().st_mtime_ns for c in copy.cells}
+
+    again = run_sweep(copy, show_progress=False)
+    assert not again.ran and len(again.skipped) == 8
+    assert mtimes == {c.cell_id: (c.directory / "metrics.json").stat().st_mtime_ns for c in copy.cells}
+
+    crashed, deleted = copy.cells[0], copy.cells[-1]
+    document = json.loads((crashed.directory / "metrics.json").read_text())
+    (crashed.directory / "metrics.json").write_text(json.dumps({**document, "status": "failed"}))
+    shutil.rmtree(deleted.directory)
+    third = run_sweep(copy, show_progress=False)
+    assert set(third.ran) == {crashed.cell_id, deleted.cell_id} and len(third.skipped) == 6
+    for cell in copy.cells[1:-1]:
+        assert (cell.directory / "metrics.json").stat().st_mtime_ns == mtimes[cell.cell_id]
+    assert json.loads((deleted.directory / "metrics.json").read_text())["status"] == "finished"
+    # the fixed privacy seed reproduces the crashed cell's run exactly
+    assert json.loads((crashed.directory / "metrics.json").read_text())["rounds"][-1]["accuracy"] == \
+        document["rounds"][-1]["accuracy"]
+    assert len(_read_csv(output / "results.csv")) == 8 * 3
+
+
+def test_a_finished_cell_run_with_another_config_is_an_error(smoke, tmp_path):
+    sweep, _ = smoke
+    output = tmp_path / "copy"
+    shutil.copytree(sweep.output, output)
+    text = SMOKE.read_text().replace("learning-rate = 0.1", "learning-rate = 0.2")
+    changed = tmp_path / "changed.toml"
+    changed.write_text(text)
+    with pytest.raises(SweepError, match=r"was run with a different config \(learning-rate: 0.1 → 0.2\)"):
+        run_sweep(load_sweep(changed, output), show_progress=False)
