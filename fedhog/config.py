@@ -60,6 +60,7 @@ class RunConfig:
     sampling: str = "poisson"
     sampling_rate: float = 0.1
     server_learning_rate: float = 1.0
+    round_timeout: float = 600.0
     # privacy
     mechanism: str = "hog"
     clipping_norm: float = 1.0
@@ -185,7 +186,7 @@ class RunConfig:
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
                     "hog-batch-size", "classes-per-client"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
-        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "clipping-norm"):
+        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "clipping-norm", "round-timeout"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value > 0, "a finite number > 0")
         for key in ("noise-multiplier", "mixing-strength", "momentum"):

@@ -265,10 +265,12 @@ class LocalFederation:
         return self._spawn("flwr-run", ["flwr", "run", str(app_dir), CONNECTION, "--stream",
                                         "--run-config", str(run_config)], cwd=app_dir, log_path=log_path)
 
-    def dead_process(self) -> str | None:
-        """Which SuperLink or SuperNode has exited, and how; ``None`` while all run."""
+    def dead_process(self, nodes: bool = True) -> str | None:
+        """Which SuperLink (or, with ``nodes``, SuperNode) has exited, and how; ``None`` while all run."""
         for name, process in self.processes.items():
-            if name != "flwr-run" and process.poll() is not None:
+            if name == "flwr-run" or (not nodes and name.startswith("supernode-")):
+                continue
+            if process.poll() is not None:
                 return f"{name} exited with code {process.returncode} (log: {self.log_dir / name}.log)"
         return None
 
@@ -407,7 +409,8 @@ def deploy_local(
         problem: list[str] = []
 
         def running() -> bool:
-            if (dead := federation.dead_process()) is not None:
+            # a lost SuperNode is a client dropping out: the server's round-timeout handles it
+            if (dead := federation.dead_process(nodes=False)) is not None:
                 problem.append(dead)
             elif deadline is not None and time.monotonic() > deadline:
                 problem.append(f"the run timed out after {timeout:g} s")

@@ -52,7 +52,7 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier))
 
 
-def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
+def run_server(grid: Grid, config: RunConfig) -> Path:
     """Discover the clients, train (or resume), evaluate every round, write results; return the folder.
 
     After every round the results folder gets ``metrics.json`` and an atomic
@@ -108,7 +108,7 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
             writer.update(metrics_url=f"http://127.0.0.1:{port}/metrics")
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         discovery_started = time.perf_counter()
-        strategy.discover(grid, config.population, timeout, identify=strategy.rng.seed_is_fixed)
+        strategy.discover(grid, config.population, config.round_timeout, identify=strategy.rng.seed_is_fixed)
         writer.update(discovery_seconds=time.perf_counter() - discovery_started)
         initial = ArrayRecord(model.state_dict())
         baseline = evaluate_fn(0, initial)
@@ -122,7 +122,7 @@ def run_server(grid: Grid, config: RunConfig, timeout: float = 600.0) -> Path:
                 strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
             first_round = checkpoint.round + 1
             log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
-        result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=timeout,
+        result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                                 evaluate_fn=evaluate_fn, on_round=on_round, first_round=first_round)
     except BaseException as error:
         writer.update(status="failed", error=f"{type(error).__name__}: {error}",

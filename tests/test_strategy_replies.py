@@ -332,3 +332,64 @@ def test_reply_without_train_loss_does_not_crash_the_round():
     arrays, _ = aggregator.aggregate_train(1, [reply(sent[NODES[0]], U0), no_loss])
     assert arrays is not None  # train-loss is informational: the reply is used, not rejected
     assert aggregator.current.clients_accepted == 2 and aggregator.current.clients_rejected == 0
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+CORRUPTIONS = ("none", "nan", "inf", "shape", "dtype", "missing-update", "missing-metrics", "renamed",
+               "extra-key", "negative-examples", "float-examples", "error")
+
+
+def corrupted_reply(instruction, update, corruption):
+    if corruption == "error":
+        return transported(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "boom"), reply_to=instruction))
+    if corruption == "nan" or corruption == "inf":
+        bad = update.copy()
+        bad[len(bad) // 2] = np.nan if corruption == "nan" else np.inf
+        return reply(instruction, bad)
+    if corruption == "shape":
+        return reply(instruction, records={"update": as_record(update, {"w": (3, 2), "b": (3,)}),
+                                           "metrics": MetricRecord({"num-examples": 3})})
+    if corruption == "dtype":
+        return reply(instruction, records={"update": as_record(update, dtype=np.float64),
+                                           "metrics": MetricRecord({"num-examples": 3})})
+    if corruption == "missing-update":
+        return reply(instruction, records={"metrics": MetricRecord({"num-examples": 3})})
+    if corruption == "missing-metrics":
+        return reply(instruction, records={"update": as_record(update)})
+    if corruption == "renamed":
+        return reply(instruction, records={"update": as_record(update, {"W": (2, 3), "b": (3,)}),
+                                           "metrics": MetricRecord({"num-examples": 3})})
+    if corruption == "extra-key":
+        arrays = {**as_record(update).to_torch_state_dict(), "extra": torch.zeros(1)}
+        return reply(instruction, records={"update": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": 3})})
+    if corruption == "negative-examples":
+        return reply(instruction, update, num_examples=-1)
+    if corruption == "float-examples":
+        return reply(instruction, records={"update": as_record(update),
+                                           "metrics": MetricRecord({"num-examples": 2.5})})
+    return reply(instruction, update)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(corruptions=st.lists(st.sampled_from(CORRUPTIONS), min_size=4, max_size=4),
+       scale=st.floats(min_value=0.01, max_value=100.0),
+       order=st.permutations(range(4)))
+def test_any_mix_of_malformed_replies_never_breaks_a_round(corruptions, scale, order):
+    """Whatever the replies hold, the round completes, every reply is counted once, and the
+    aggregate is exactly that of the well-formed replies alone (σ = 0)."""
+    aggregator, sent = make_aggregator(clip=1.0)
+    nodes = NODES[:4]
+    updates = {node: scale * np.sin(np.arange(NUMEL) + i).astype(np.float32) for i, node in enumerate(nodes)}
+    replies = [corrupted_reply(sent[nodes[i]], updates[nodes[i]], corruptions[i]) for i in order]
+    arrays, _ = aggregator.aggregate_train(1, replies)
+    good = [node for node, corruption in zip(nodes, corruptions) if corruption == "none"]
+    assert aggregator.current.clients_accepted == len(good)
+    assert aggregator.current.clients_rejected == 4 - len(good)
+    assert sum(aggregator.current.rejections.values()) == 4 - len(good)
+    expected = GLOBAL_FLAT.astype(np.float64).copy()
+    for node in good:
+        u = updates[node].astype(np.float64)
+        expected += u * min(1.0, 1.0 / np.linalg.norm(u)) / 4  # clipped, summed, divided by K = 4
+    np.testing.assert_allclose(flat_of(arrays), expected, rtol=1e-5, atol=1e-6)
