@@ -2,8 +2,9 @@
 
 A thin script over :mod:`fedhog.sweep` (the same as ``fedhog sweep``): runs the
 cells of ``configs/sweep_privacy_utility.toml`` — gaussian DP-FedAvg against HOG
-mixing at two strengths and with the update direction, at ε ∈ {1, 3, 8}, three
-paired seeds each — on the in-process engine, and writes ``results.csv``,
+mixing at two strengths, with the update direction, and with a random term in
+place of the third-order one (the control), at ε ∈ {1, 3, 8}, three paired
+seeds each — on the in-process engine, and writes ``results.csv``,
 ``summary.md`` (final accuracy mean ± std, paired t-test and Wilcoxon per ε)
 and the plots into the sweep's output folder. Finished cells are kept: run it
 again after an interruption to continue.

@@ -88,6 +88,15 @@ seed = [0, 1, 2]
     assert sweep.condition_keys == []
 
 
+def test_the_committed_privacy_utility_sweep_is_valid():
+    sweep = load_sweep(ROOT / "configs" / "sweep_privacy_utility.toml")
+    assert len(sweep.cells) == 5 * 3 * 3
+    assert {c.config.target_epsilon for c in sweep.cells} == {1.0, 3.0, 8.0}
+    assert ("hog-random-term", "hog-γ0.5") in sweep.paired
+    control = next(c for c in sweep.cells if c.variant == "hog-random-term")
+    assert (control.config.mechanism, control.config.hog_term) == ("hog", "random")
+
+
 @pytest.mark.parametrize(("text", "match"), [
     ('output = "o"\nnoise = 1', "unknown key 'noise'"),
     ('[grid]\nseed = [0]', "output=None"),
@@ -184,6 +193,11 @@ def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke
     assert json.loads((crashed.directory / "metrics.json").read_text())["rounds"][-1]["accuracy"] == \
         document["rounds"][-1]["accuracy"]
     assert len(_read_csv(output / "results.csv")) == 8 * 3
+
+
+def test_threads_must_be_positive(smoke):
+    with pytest.raises(SweepError, match="threads=0"):
+        run_sweep(smoke[0], show_progress=False, threads=0)
 
 
 def test_a_finished_cell_run_with_another_config_is_an_error(smoke, tmp_path):
