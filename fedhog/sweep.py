@@ -25,9 +25,8 @@ comes from the variant's name and the grid values, and its run goes to
 model initialisation and the clients' shuffling and directions. Unless the
 sweep sets ``privacy-seed``, each cell gets the fixed privacy seed
 :func:`privacy_seed_for` its ``seed``, so paired cells also draw the same
-cohorts every round and start their noise generator from the same state
-(``hog`` draws its ξ from that generator before the noise, so the noise of a
-``gaussian`` and a ``hog`` cell are not the same draws). A fixed privacy seed
+cohorts every round and the same Gaussian noise draws (``hog`` takes its ξ from
+a generator of its own, so mixing does not shift the noise). A fixed privacy seed
 makes the noise predictable: it is for experiments, never for a deployment.
 
 **Resuming.** A cell whose ``metrics.json`` says ``"finished"`` is not rerun
@@ -632,7 +631,7 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
         lines += ["", "## Paired comparisons", "",
                   f"Difference = final accuracy of B − A, paired on {', '.join(sweep.replicate_keys)}: paired "
                   "cells share the data, partition, initial model and client shuffling, and with a fixed "
-                  "privacy-seed the cohorts. Two-sided "
+                  "privacy-seed the cohorts and noise draws. Two-sided "
                   "paired t-test and Wilcoxon signed-rank test (`scipy.stats.ttest_rel`, `scipy.stats.wilcoxon`), "
                   "as measured, not corrected for multiple comparisons; with n pairs the exact two-sided "
                   "Wilcoxon p is at least 2/2ⁿ (0.25 for n = 3).", "",

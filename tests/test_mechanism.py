@@ -316,3 +316,11 @@ def test_stats_hand_example_with_noise():
     assert stats.noise_std == pytest.approx(0.8 * 1.0 / 10)
     assert stats.mean_norm_before_clip == pytest.approx((5 + 1 + 0.5) / 3)
     assert math.isnan(stats.mean_mixing_ratio)  # no mixing for gaussian
+
+
+def test_drawing_xi_does_not_shift_the_noise():
+    """ξ has its own stream: a hog run and a gaussian run with one privacy seed get the same noise."""
+    with_mixing, without = PrivacyRng(3), PrivacyRng(3)
+    with_mixing.standard_normals(5)
+    assert torch.equal(torch.randn(4, generator=with_mixing.noise), torch.randn(4, generator=without.noise))
+    assert without.standard_normals(5)[:2] != with_mixing.standard_normals(2)  # the ξ stream had advanced by 5

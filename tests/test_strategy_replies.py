@@ -264,7 +264,7 @@ T2 = np.zeros(NUMEL)
 
 def test_hog_round_uses_xi_in_partition_order_whatever_the_arrival_order():
     gamma, clip, seed = 0.5, 1.0, 5
-    xis = PrivacyRng(seed).standard_normals(3)  # σ = 0: the noise generator only draws the ξ
+    xis = PrivacyRng(seed).standard_normals(3)  # the ξ stream of this seed
     expected_updates = []
     for u, t, xi in zip([U0, U1, U2], [T0, T1, T2], xis):
         tn = np.linalg.norm(t)

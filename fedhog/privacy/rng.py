@@ -26,20 +26,25 @@ class PrivacyRng:
     def __init__(self, seed: int | None = None) -> None:
         self.seed_is_fixed = seed is not None
         entropy = secrets.randbits(128) if seed is None else seed
-        sampling_seq, noise_seq = np.random.SeedSequence(entropy).spawn(2)
+        sampling_seq, noise_seq, mixing_seq = np.random.SeedSequence(entropy).spawn(3)
         self.sampling = np.random.default_rng(sampling_seq)
         self.noise = torch.Generator(device="cpu")
         self.noise.manual_seed(int(noise_seq.generate_state(1, dtype=np.uint64)[0]))
+        # ξ has a stream of its own, so that runs with and without mixing draw the same noise
+        self.mixing = torch.Generator(device="cpu")
+        self.mixing.manual_seed(int(mixing_seq.generate_state(1, dtype=np.uint64)[0]))
 
     def standard_normals(self, count: int) -> list[float]:
-        """ξ_1..ξ_count ~ N(0, 1), drawn from the noise generator."""
-        return torch.randn(count, generator=self.noise, dtype=torch.float64).tolist()
+        """ξ_1..ξ_count ~ N(0, 1), drawn from the mixing generator."""
+        return torch.randn(count, generator=self.mixing, dtype=torch.float64).tolist()
 
     def state_dict(self) -> dict[str, object]:
         """The generators' states, for checkpoints."""
-        return {"sampling": self.sampling.bit_generator.state, "noise": self.noise.get_state()}
+        return {"sampling": self.sampling.bit_generator.state, "noise": self.noise.get_state(),
+                "mixing": self.mixing.get_state()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore states written by :meth:`state_dict`."""
         self.sampling.bit_generator.state = state["sampling"]
         self.noise.set_state(state["noise"])
+        self.mixing.set_state(state["mixing"])
