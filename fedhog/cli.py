@@ -1,4 +1,5 @@
-"""The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``, ``fedhog export``."""
+"""The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``,
+``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``."""
 
 from __future__ import annotations
 
@@ -48,7 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--format", dest="fmt", choices=FORMATS, default="torchscript",
                         help="TorchScript (LibTorch, DJL) or a plain state dict")
     export.add_argument("--out", type=Path, help="output file (default: model.<format>.pt in the results folder)")
+    sweep = commands.add_parser("sweep", help="run a grid of in-process runs (resumable); write results.csv, "
+                                "summary.md with paired tests, and plots")
+    sweep.add_argument("config", help="sweep TOML: output, [base], [grid], [[variants]], paired (see fedhog.sweep)")
+    sweep.add_argument("--output", help="output folder (default: the sweep file's `output`)")
+    sweep.add_argument("--list", dest="list_only", action="store_true",
+                       help="list the cells and which are finished; run nothing")
+    sweep.add_argument("--threads", type=int, default=1, help="PyTorch threads while cells run (default: 1)")
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        from .sweep import sweep_command  # matplotlib and the sweep machinery only for sweeps
+
+        return sweep_command(args.config, args.output, args.list_only, args.threads)
     if args.command == "export":
         return export_command(args.results, args.fmt, args.out)
     try:
