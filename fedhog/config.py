@@ -257,13 +257,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     values: dict[str, Any] = {}
     overrides = dict(overrides or {})
     if path is not None:
-        try:
-            with open(path, "rb") as handle:
-                document = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+        document = read_toml(path)
         values = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document)
     for source in (values, overrides):
         if source.get("target-epsilon", 0) and "noise-multiplier" in source:
@@ -272,6 +266,17 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     if "target-epsilon" in overrides or "noise-multiplier" in overrides:  # an override replaces the other's file value
         values = {k: v for k, v in values.items() if k not in ("target-epsilon", "noise-multiplier")}
     return RunConfig.from_mapping({**values, **overrides})
+
+
+def read_toml(path: str | Path, kind: str = "config file", error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """A TOML document; a missing or malformed file raises ``error`` naming it."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise error(f"{kind} not found: {path}") from None
+    except tomllib.TOMLDecodeError as problem:
+        raise error(f"{kind} {path} is not valid TOML: {problem}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:

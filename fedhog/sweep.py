@@ -50,7 +50,6 @@ import math
 import shutil
 import threading
 import time
-import tomllib
 import unicodedata
 import warnings
 from collections.abc import Iterator, Sequence
@@ -64,7 +63,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from scipy import stats
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, load_config, read_toml
 from .progress import console, format_value, read_metrics_file
 
 SWEEP_KEYS = ("output", "paired", "base", "grid", "variants")
@@ -188,13 +187,7 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
         Naming the key (and the cell) that is wrong.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            document = tomllib.load(handle)
-    except FileNotFoundError:
-        raise SweepError(f"sweep file not found: {path}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise SweepError(f"sweep file {path} is not valid TOML: {error}") from None
+    document = read_toml(path, "sweep file", SweepError)
     for key in document:
         if key not in SWEEP_KEYS:
             raise SweepError(f"sweep file {path}: unknown key '{key}'; expected {', '.join(SWEEP_KEYS)} "
