@@ -61,6 +61,7 @@ class RunConfig:
     sampling_rate: float = 0.1
     server_learning_rate: float = 1.0
     round_timeout: float = 600.0
+    max_update_norm: float = math.inf
     # privacy
     mechanism: str = "hog"
     clipping_norm: float = 1.0
@@ -211,6 +212,8 @@ class RunConfig:
                               "(mechanism='none' adds no noise)")
         _check("max-epsilon", self.max_epsilon, self.max_epsilon > 0 and not math.isnan(self.max_epsilon),
                "a number > 0 or inf")
+        _check("max-update-norm", self.max_update_norm,
+               self.max_update_norm > 0 and not math.isnan(self.max_update_norm), "a number > 0 or inf")
         if math.isfinite(self.max_epsilon) and not self.mechanism_settings.has_guarantee and self.target_epsilon == 0:
             raise ConfigError(
                 f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "

@@ -49,7 +49,8 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
     adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, rng, config.sampling,  # type: ignore[arg-type]
                             config.sampling_rate, config.server_learning_rate, config.max_epsilon,
-                            None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier))
+                            None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
+                            config.max_update_norm)
 
 
 def run_server(grid: Grid, config: RunConfig) -> Path:

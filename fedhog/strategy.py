@@ -82,6 +82,10 @@ class SecureAggregator(Strategy):
         η: the global model moves by η times the aggregated update.
     max_epsilon : float
         Training stops before a release that would push ε above this.
+    max_update_norm : float
+        Replies whose update is longer than this are rejected as implausible (a
+        sanity bound against broken or hostile clients; clipping, not this,
+        is what bounds a contribution's privacy cost).
     adaptive_clipping : AdaptiveClipping, optional
         Track a quantile of the contribution norms (Andrew et al. 2021): round t
         clips at its current C and adds noise σ_Δ·C; the accountant composes σ,
@@ -98,6 +102,7 @@ class SecureAggregator(Strategy):
         server_learning_rate: float = 1.0,
         max_epsilon: float = math.inf,
         adaptive_clipping: AdaptiveClipping | None = None,
+        max_update_norm: float = math.inf,
     ) -> None:
         self.mechanism = mechanism
         self.accountant = accountant
@@ -107,6 +112,7 @@ class SecureAggregator(Strategy):
         self.server_learning_rate = server_learning_rate
         self.max_epsilon = max_epsilon
         self.adaptive_clipping = adaptive_clipping
+        self.max_update_norm = max_update_norm
         self.slot_of_node: dict[int, int] = {}  # node id -> position in the population (see discover)
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
@@ -264,6 +270,9 @@ class SecureAggregator(Strategy):
         if not isinstance(num_examples, int) or num_examples < 0:
             raise BadReply(f"malformed: num-examples={num_examples!r}")
         update = _read_like(content, UPDATE_KEY, self._global)
+        norm = float(torch.linalg.vector_norm(update))
+        if norm > self.max_update_norm:
+            raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}")
         term = None
         if self.mechanism.kind == "hog":
             if metrics.get("third-order-finite", 1) == 0:

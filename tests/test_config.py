@@ -174,7 +174,7 @@ NON_DEFAULT = {
     "dataset": "digits", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
     "classes-per-client": 3, "validation-fraction": 0.0, "population": 50, "model": "mlp",
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
-    "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75, "round-timeout": 45.0,
+    "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75, "round-timeout": 45.0, "max-update-norm": 1e3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
     "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off

@@ -393,3 +393,14 @@ def test_any_mix_of_malformed_replies_never_breaks_a_round(corruptions, scale, o
         u = updates[node].astype(np.float64)
         expected += u * min(1.0, 1.0 / np.linalg.norm(u)) / 4  # clipped, summed, divided by K = 4
     np.testing.assert_allclose(flat_of(arrays), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_update_beyond_max_update_norm_is_rejected_as_too_large():
+    aggregator, sent = make_aggregator(clip=1.0)
+    aggregator.max_update_norm = 10.0
+    huge = np.full(NUMEL, 1e6, dtype=np.float32)
+    ok = np.full(NUMEL, 0.1, dtype=np.float32)
+    arrays, _ = aggregator.aggregate_train(1, [reply(sent[NODES[0]], huge), reply(sent[NODES[1]], ok)])
+    assert aggregator.current.rejections == {"too large": 1}
+    assert aggregator.current.clients_accepted == 1
+    np.testing.assert_allclose(flat_of(arrays), GLOBAL_FLAT + ok * min(1.0, 1 / np.linalg.norm(ok)) / 4, rtol=1e-6)
