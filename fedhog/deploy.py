@@ -37,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from .progress import watch_metrics
+from .progress import read_metrics_file, watch_metrics
 from .config import ConfigError, RunConfig
 from .results import config_to_toml, default_results_dir
 
@@ -432,10 +432,7 @@ def _check_finished(directory: Path) -> Path:
     results folder, not the exit code, says whether the run finished.
     """
     log_path = directory / "flwr.log"
-    try:
-        document = json.loads((directory / "metrics.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        document = {}
+    document = read_metrics_file(directory / "metrics.json") or {}
     if document.get("status") == "finished":
         return directory
     reason = document.get("error") or _last_error(log_path) or "no error was reported"

@@ -120,8 +120,3 @@ class ResultsWriter:
     def _flush(self) -> None:
         text = json.dumps(_json_safe(self.document), indent=2)
         atomic_write(self.metrics_path, text.encode())
-
-
-def read_metrics(directory: Path) -> dict[str, Any]:
-    """Read ``metrics.json`` of a results folder."""
-    return json.loads((directory / "metrics.json").read_text())
