@@ -81,16 +81,17 @@ def train(msg: Message, context: Context) -> Message:
         local = train_locally(model, train_data, config.local_epochs, config.batch_size,
                               config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
-    _, validation_accuracy = evaluate(model, validation_data)
+    # raw-record statistics are not sent under DP-SGD, so they are not computed either
+    validation_accuracy = -1.0 if dpsgd else _finite_or(evaluate(model, validation_data)[1], -1.0)
 
     records = RecordDict({"update": ArrayRecord(_to_cpu(update))})
     metrics: dict[str, float | int] = {
         "partition-id": partition_id,
         "num-examples": len(train_data),
-        "train-loss": -1.0 if dpsgd else _finite_or(local.mean_loss, -1.0),  # raw-record statistic
+        "train-loss": -1.0 if dpsgd else _finite_or(local.mean_loss, -1.0),
         "local-steps": local.steps,
         "hog-step-cubic-steps": local.cubic_steps,
-        "validation-accuracy": -1.0 if dpsgd else _finite_or(validation_accuracy, -1.0),
+        "validation-accuracy": validation_accuracy,
     }
     if dpsgd:
         metrics.update({"dpsgd-epsilon": privacy.epsilon, "dpsgd-steps": privacy.steps})
