@@ -81,6 +81,8 @@ def train(msg: Message, context: Context) -> Message:
         local = train_locally(model, train_data, config.local_epochs, config.batch_size,
                               config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
+    if config.aggregator == "flower-dp":
+        return _reply_to_flower_dp(msg, global_state, update, config.server_learning_rate, local.mean_loss)
     # raw-record statistics are not sent under DP-SGD, so they are not computed either
     validation_accuracy = -1.0 if dpsgd else _finite_or(evaluate(model, validation_data)[1], -1.0)
 
@@ -104,6 +106,16 @@ def train(msg: Message, context: Context) -> Message:
             records["third-order-term"] = ArrayRecord(_to_cpu(term))
     records["metrics"] = MetricRecord(metrics)
     return Message(records, reply_to=msg)
+
+
+def _reply_to_flower_dp(msg: Message, global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor],
+                        server_learning_rate: float, train_loss: float) -> Message:
+    """FedAvg's reply: θ + η·Δ (Flower's wrapper clips the change at η·C) and an equal weight."""
+    from .flower_baseline import REPLY_KEY, WEIGHT_KEY
+
+    arrays = {k: global_state[k] + server_learning_rate * delta for k, delta in update.items()}
+    metrics = MetricRecord({WEIGHT_KEY: 1, "train-loss": _finite_or(train_loss, -1.0)})
+    return Message(RecordDict({REPLY_KEY: ArrayRecord(_to_cpu(arrays)), "metrics": metrics}), reply_to=msg)
 
 
 def third_order_term(

@@ -8,7 +8,6 @@ The defaults here are the ``[tool.flwr.app.config]`` of ``pyproject.toml``.
 
 from __future__ import annotations
 
-
 import dataclasses
 import math
 import tomllib
@@ -16,8 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .dpsgd import DPSGD_ACCOUNTANTS, DpSgdSettings
 from .data import PARTITIONERS, DataSpec, validate_spec
+from .dpsgd import DPSGD_ACCOUNTANTS, DpSgdSettings
 from .models import MODELS
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
@@ -28,6 +27,7 @@ from .training import OPTIMIZERS
 HOG_DIRECTIONS = ("random", "update")
 HOG_TERMS = ("third-order", "random")
 CLIENT_DP = ("none", "dpsgd")
+AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -63,6 +63,7 @@ class RunConfig:
     round_timeout: float = 600.0
     max_update_norm: float = math.inf
     # privacy
+    aggregator: str = "fedhog"
     mechanism: str = "hog"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
@@ -166,6 +167,7 @@ class RunConfig:
         """Raise :class:`ConfigError` naming the first bad key (the dataset is checked by :mod:`fedhog.data`)."""
         _choice("partitioner", self.partitioner, PARTITIONERS)
         _choice("model", self.model, MODELS)
+        _choice("aggregator", self.aggregator, AGGREGATORS)
         _choice("mechanism", self.mechanism, MECHANISMS)
         _choice("sampling", self.sampling, SAMPLING_METHODS)
         _choice("hog-direction", self.hog_direction, HOG_DIRECTIONS)
@@ -222,20 +224,46 @@ class RunConfig:
         _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
                "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
+        if self.aggregator == "flower-dp":
+            self._validate_flower_dp()
 
     def calibrated(self) -> "RunConfig":
         """This config with σ calibrated to ``target-epsilon`` (itself when that is off).
 
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
-        the target, for this sampling and accountant (a bisection on the accountant).
+        the target, for this sampling and accountant (a bisection on the accountant);
+        with ``aggregator = "flower-dp"`` as Flower's wrapper accounts it (RDP, no amplification).
         """
         if self.target_epsilon == 0:
             return self
-        from .privacy.calibration import calibrate_noise_multiplier  # server-side only
+        if self.aggregator == "flower-dp":
+            from .privacy.calibration import calibrate_unamplified_noise_multiplier
 
-        sigma = calibrate_noise_multiplier(self.target_epsilon, self.delta, self.rounds, self.sampling,
-                                           self.sampling_rate, self.population, self.accountant)
+            sigma = calibrate_unamplified_noise_multiplier(self.target_epsilon, self.delta, self.rounds,
+                                                           self.population, self.expected_cohort)
+        else:
+            from .privacy.calibration import (
+                calibrate_noise_multiplier,  # server-side only
+            )
+
+            sigma = calibrate_noise_multiplier(self.target_epsilon, self.delta, self.rounds, self.sampling,
+                                               self.sampling_rate, self.population, self.accountant)
         return dataclasses.replace(self, noise_multiplier=sigma)
+
+    def _validate_flower_dp(self) -> None:
+        """Flower's accounted fixed-clipping wrapper runs one mechanism with one sampling and accountant."""
+        required = {"mechanism": "gaussian", "sampling": "fixed", "accountant": "rdp", "client-dp": "none",
+                    "adaptive-clipping": False, "resume": False, "max-update-norm": math.inf}
+        for key, allowed in required.items():
+            if self._get(key) != allowed:
+                raise ConfigError(
+                    f"aggregator='flower-dp' needs {key}={_format_toml(allowed)}, got {key}="
+                    f"{_format_toml(self._get(key))} (Flower's DifferentialPrivacyServerSideFixedClipping over "
+                    "FedAvg adds Gaussian noise to a fixed-size cohort and accounts it with its RdpAccountant "
+                    "without amplification; it has no mixing, adaptive clipping, reply filter or checkpoints)")
+        if self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError("aggregator='flower-dp' needs noise-multiplier > 0 or a target-epsilon "
+                              "(Flower's accountant refuses σ = 0)")
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":
@@ -302,6 +330,12 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
     if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {expected.__name__}")
     return value
+
+
+def _format_toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, str) else f"{value:g}"
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

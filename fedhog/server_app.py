@@ -1,9 +1,10 @@
-"""Flower ServerApp: build the SecureAggregator from the run config and write results."""
+"""Flower ServerApp: build the SecureAggregator (or Flower's DP baseline) from the run config and write results."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .strategy import RoundRecord, SecureAggregator
 from .training import evaluate
 
 app = ServerApp()
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 
 
 @app.main()
@@ -54,11 +56,13 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
 
 
 def run_server(grid: Grid, config: RunConfig) -> Path:
-    """Discover the clients, train (or resume), evaluate every round, write results; return the folder.
+    """Train (or resume), evaluate every round, write results; return the folder.
 
-    After every round the results folder gets ``metrics.json`` and an atomic
-    ``checkpoint.pt`` (model, accountant, privacy RNG states, rounds so far);
-    with ``resume = true`` the run continues from that checkpoint.
+    After every round the results folder gets ``metrics.json`` and, with
+    fedhog's aggregator, an atomic ``checkpoint.pt`` (model, accountant, privacy
+    RNG states, rounds so far); with ``resume = true`` the run continues from
+    that checkpoint. ``aggregator = "flower-dp"`` runs Flower's accounted DP
+    wrapper instead (:mod:`fedhog.flower_baseline`).
     """
     started = time.perf_counter()
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
@@ -77,64 +81,34 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes)
     test_set = load_test_set(config.data_spec)
-    strategy = build_strategy(config)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = evaluate(model, test_set)
         return MetricRecord({"loss": loss, "accuracy": accuracy})
 
-    def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
-        writer.add_round(record)
-        monitor.observe_round(record, strategy.client_metrics)
-        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
-        save_checkpoint(writer.directory, Checkpoint(
-            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"],
-            adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
-
-    writer.update(privacy={
-        "mechanism": config.mechanism,
-        "has_guarantee": strategy.accountant.has_guarantee,
-        "accountant": strategy.accountant.method,
-        "noise_multiplier": config.noise_multiplier,
-        "target_epsilon": config.target_epsilon or None,
-        "accountant_noise_multiplier": strategy.accountant.event.noise_multiplier
-        if strategy.accountant.event else None,
-        "delta": config.delta,
-    })
+    initial = ArrayRecord(model.state_dict())
     try:
         if config.metrics_port >= 0:
             port = monitor.start_http_server(config.metrics_port)  # 127.0.0.1 only
             writer.update(metrics_url=f"http://127.0.0.1:{port}/metrics")
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
-        discovery_started = time.perf_counter()
-        strategy.discover(grid, config.population, config.round_timeout, identify=strategy.rng.seed_is_fixed)
-        writer.update(discovery_seconds=time.perf_counter() - discovery_started)
-        initial = ArrayRecord(model.state_dict())
         baseline = evaluate_fn(0, initial)
         writer.update(initial={"accuracy": baseline["accuracy"], "loss": baseline["loss"]})
-        first_round = 1
-        if checkpoint is not None:
-            initial = ArrayRecord(checkpoint.model)
-            strategy.accountant.load_state_dict(checkpoint.accountant)
-            strategy.rng.load_state_dict(checkpoint.rng)
-            if strategy.adaptive_clipping is not None and checkpoint.adaptive_clipping is not None:
-                strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
-            first_round = checkpoint.round + 1
-            log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
-        result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                                evaluate_fn=evaluate_fn, on_round=on_round, first_round=first_round)
+        if config.aggregator == "flower-dp":
+            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn)
+        else:
+            arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
+                                                     checkpoint)
     except BaseException as error:
         writer.update(status="failed", error=f"{type(error).__name__}: {error}",
                       seconds=time.perf_counter() - started)
         raise
     finally:
         monitor.stop()
-    writer.save_model(result.arrays)
+    writer.save_model(arrays)
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}
-    epsilon = strategy.accountant.epsilon()
     writer.update(
         status="finished",
         seconds=time.perf_counter() - started,
@@ -152,3 +126,69 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
         final.get("accuracy", math.nan), "∞ (no DP guarantee)" if math.isinf(epsilon) else f"{epsilon:.4g}",
         config.delta, writer.directory)
     return writer.directory
+
+
+def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
+                           initial: ArrayRecord, evaluate_fn: EvaluateFn,
+                           checkpoint: Checkpoint | None) -> tuple[ArrayRecord, float]:
+    """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
+    strategy = build_strategy(config)
+
+    def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        writer.add_round(record)
+        monitor.observe_round(record, strategy.client_metrics)
+        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+        save_checkpoint(writer.directory, Checkpoint(
+            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
+            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"],
+            adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
+
+    writer.update(privacy={
+        "aggregator": config.aggregator,
+        "mechanism": config.mechanism,
+        "has_guarantee": strategy.accountant.has_guarantee,
+        "accountant": strategy.accountant.method,
+        "noise_multiplier": config.noise_multiplier,
+        "target_epsilon": config.target_epsilon or None,
+        "accountant_noise_multiplier": strategy.accountant.event.noise_multiplier
+        if strategy.accountant.event else None,
+        "delta": config.delta,
+    })
+    discovery_started = time.perf_counter()
+    strategy.discover(grid, config.population, config.round_timeout, identify=strategy.rng.seed_is_fixed)
+    writer.update(discovery_seconds=time.perf_counter() - discovery_started)
+    first_round = 1
+    if checkpoint is not None:
+        initial = ArrayRecord(checkpoint.model)
+        strategy.accountant.load_state_dict(checkpoint.accountant)
+        strategy.rng.load_state_dict(checkpoint.rng)
+        if strategy.adaptive_clipping is not None and checkpoint.adaptive_clipping is not None:
+            strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
+        first_round = checkpoint.round + 1
+        log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
+    result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
+                            evaluate_fn=evaluate_fn, on_round=on_round, first_round=first_round)
+    return result.arrays, strategy.accountant.epsilon()
+
+
+def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
+                         initial: ArrayRecord, evaluate_fn: EvaluateFn) -> tuple[ArrayRecord, float]:
+    """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
+    from .flower_baseline import run_flower_dp
+
+    def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        writer.add_round(record)
+        monitor.observe_round(record)
+        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+
+    writer.update(privacy={
+        "aggregator": config.aggregator,
+        "mechanism": config.mechanism,
+        "has_guarantee": True,
+        "accountant": "flower-rdp-no-amplification",
+        "noise_multiplier": config.noise_multiplier,
+        "target_epsilon": config.target_epsilon or None,
+        "accountant_noise_multiplier": config.noise_multiplier,
+        "delta": config.delta,
+    })
+    return run_flower_dp(grid, config, initial, evaluate_fn, on_round)

@@ -14,7 +14,7 @@ takes part every round (q = 1, K = 1000), where that accounting is exact.
 fedhog: Poisson sampling with q = 0.1 (100 clients a round in expectation),
 noise σ·C on the clipped sum divided by K = q·N, accounted with PLD.
 
-σ is the smallest meeting the budget (:func:`calibrate_event_noise_multiplier`,
+σ is the smallest meeting the budget (:mod:`fedhog.privacy.calibration`,
 relative tolerance 1e-3); the spent ε columns are what the two runtime accountants
 report after T releases at that σ. The fair comparison is the noise std on the
 averaged update, σ·C/K, shown per unit C.
@@ -27,15 +27,14 @@ Usage::
 from __future__ import annotations
 
 from flwr.serverapp import RdpAccountant
-from flwr.supercore.privacy_accounting import (
-    GaussianPrivacyEvent,
-    NeighboringRelation,
-    PrivacyConfig,
-    SamplingMethod,
-)
+from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.calibration import calibrate_event_noise_multiplier, calibrate_noise_multiplier
+from fedhog.privacy.calibration import (
+    calibrate_noise_multiplier,
+    calibrate_unamplified_noise_multiplier,
+    unamplified_privacy_config,
+)
 
 POPULATION = 1000
 ROUNDS = 100
@@ -47,10 +46,8 @@ FEDHOG_COHORT = round(FEDHOG_RATE * POPULATION)
 
 def flower_row(epsilon: float) -> tuple[float, float]:
     """σ of Flower's accounted wrapper with every client every round, and the ε it reports."""
-    config = PrivacyConfig(DELTA, POPULATION, NeighboringRelation.ADD_OR_REMOVE_ONE,
-                           SamplingMethod.NO_AMPLIFICATION)
-    sigma = calibrate_event_noise_multiplier(epsilon, DELTA, ROUNDS, config, POPULATION, "rdp")
-    accountant = RdpAccountant(config)
+    sigma = calibrate_unamplified_noise_multiplier(epsilon, DELTA, ROUNDS, POPULATION, POPULATION)
+    accountant = RdpAccountant(unamplified_privacy_config(POPULATION, DELTA))
     accountant.compose(GaussianPrivacyEvent(sigma, POPULATION, POPULATION), ROUNDS)
     return sigma, accountant.get_epsilon(DELTA)
 

@@ -179,6 +179,7 @@ NON_DEFAULT = {
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
     "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off
     "client-dp": "none",  # dpsgd excludes optimizer hog-step
+    "aggregator": "fedhog",  # flower-dp excludes adaptive clipping, resume, max-update-norm
     "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
     "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,

@@ -15,7 +15,12 @@ from dp_accounting import dp_event, mechanism_calibration, rdp
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation as DpNeighboringRelation
 from dp_accounting.privacy_accountant import PrivacyAccountant as DpPrivacyAccountant
-from flwr.supercore.privacy_accounting import GaussianPrivacyEvent, PrivacyConfig, SamplingMethod
+from flwr.supercore.privacy_accounting import (
+    GaussianPrivacyEvent,
+    NeighboringRelation,
+    PrivacyConfig,
+    SamplingMethod,
+)
 
 from .accounting import (
     ACCOUNTANTS,
@@ -88,6 +93,30 @@ def calibrate_noise_multiplier(
     return sensitivity * calibrate_event_noise_multiplier(
         target_epsilon, delta, rounds, privacy_config(sampling, population, delta), cohort,
         effective_accountant(accountant, sampling), tolerance)
+
+
+def calibrate_unamplified_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    rounds: int,
+    population: int,
+    cohort: int,
+    tolerance: float = 1e-3,
+) -> float:
+    """σ for Flower's accounted fixed-clipping wrappers: every release a Gaussian on the clipped
+    sum (add/remove one client), composed ``rounds`` times by RDP without sampling amplification.
+
+    This is the model Flower's ``RdpAccountant`` applies with ``SamplingMethod.NO_AMPLIFICATION``
+    (the only one its ``DifferentialPrivacy*FixedClipping`` wrappers accept).
+    """
+    config = unamplified_privacy_config(population, delta)
+    return calibrate_event_noise_multiplier(target_epsilon, delta, rounds, config, cohort, "rdp", tolerance)
+
+
+def unamplified_privacy_config(population: int, delta: float, max_epsilon: float | None = None) -> PrivacyConfig:
+    """Flower's accounting model for its fixed-clipping wrappers: add/remove one, no amplification."""
+    return PrivacyConfig(delta, population, NeighboringRelation.ADD_OR_REMOVE_ONE,
+                         SamplingMethod.NO_AMPLIFICATION, max_epsilon)
 
 
 def calibrate_event_noise_multiplier(
