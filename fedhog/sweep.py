@@ -17,7 +17,10 @@ A sweep file is TOML::
     mechanism = "gaussian"
 
 A cell is one combination of the grid values with one variant (the grid alone
-when there are no variants); its id (``hog-gamma0.5__target-epsilon=1.0__seed=0``)
+when there are no variants). A variant may set a condition key of the grid
+(``target-epsilon = 0.0`` for a no-DP ceiling): it then runs once per value of
+the other grid keys, and the paired tests and the plots compare it with every
+condition (a reference line); its id (``hog-gamma0.5__target-epsilon=1.0__seed=0``)
 comes from the variant's name and the grid values, and its run goes to
 ``output/runs/<cell-id>/``. Without variants a cell's variant is its mechanism.
 
@@ -129,6 +132,25 @@ class Sweep:
                 if key not in REPLICATE_KEYS and (self.variants or key != "mechanism")]
 
     @property
+    def fixed_keys(self) -> dict[str, list[str]]:
+        """Variant name → the grid's condition keys that the variant sets itself."""
+        return {v["name"]: [k for k in v if k in self.grid] for v in self.variants if any(k in self.grid for k in v)}
+
+    def broadcast(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows, with those of a variant that sets grid keys repeated for every grid value of those keys.
+
+        A no-DP ceiling run once then appears in every ε condition, for pairing and plotting.
+        """
+        out: list[dict[str, Any]] = []
+        for row in rows:
+            keys = self.fixed_keys.get(row["variant"], [])
+            for values in itertools.product(*(self.grid[k] for k in keys)):
+                condition = dict(zip(keys, values))
+                cell_id = "__".join([row["cell_id"], *(f"{k}={_format_value(v)}" for k, v in condition.items())])
+                out.append({**row, **condition, "cell_id": cell_id})
+        return out
+
+    @property
     def column_keys(self) -> list[str]:
         """Config keys that get a column in ``results.csv``: mechanism, grid, variant keys, seed."""
         keys = ["mechanism", *self.grid, *(k for v in self.variants for k in v if k != "name"), "seed"]
@@ -225,8 +247,9 @@ def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Seq
     seen: dict[str, Cell] = {}
     for variant in variants or [None]:
         keys = {k: v for k, v in (variant or {}).items() if k != "name"}
-        for values in itertools.product(*grid.values()):
-            grid_values = dict(zip(grid, values))
+        variant_grid = {k: v for k, v in grid.items() if k not in keys}
+        for values in itertools.product(*variant_grid.values()):
+            grid_values = dict(zip(variant_grid, values))
             mapping = {**base, **keys, **grid_values}
             name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
             cell_id = cell_id_of(variant["name"] if variant else None, grid_values)
@@ -290,8 +313,9 @@ def _variants(raw: Any, grid: dict[str, list[Any]]) -> tuple[dict[str, Any], ...
         keys = {k: v for k, v in variant.items() if k != "name"}
         _check_config_keys(f"variant '{name}'", keys)
         for key in keys:
-            if key in grid:
-                raise SweepError(f"variant '{name}' sets '{key}', which is also a [grid] key; keep it in one")
+            if key in grid and key in REPLICATE_KEYS:
+                raise SweepError(f"variant '{name}' sets '{key}', a [grid] key that pairs cells; "
+                                 "a variant may set only the grid's condition keys")
     return tuple(raw)
 
 
@@ -405,16 +429,20 @@ def _run_cell(cell: Cell) -> None:
     run_in_process(server_app, client_app, cell.config.population, cell.config.to_mapping())
 
 
-class _DropFixedSeedWarning(logging.Filter):
+class _DropPerCellWarnings(logging.Filter):
+    """Warnings every cell of a kind repeats; the sweep says them once or they are expected."""
+
+    EXPECTED = ("privacy-seed is fixed", "fraction_evaluate is set to 0.0")  # the second: flower-dp cells
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "privacy-seed is fixed" not in record.getMessage()
+        return not any(text in record.getMessage() for text in self.EXPECTED)
 
 
 @contextmanager
 def _quiet_flower() -> Iterator[None]:
-    """Flower's logger at WARNING, without the per-cell fixed-seed warning (the sweep says it once)."""
+    """Flower's logger at WARNING, without the warnings every cell repeats (the sweep says them once)."""
     logger = logging.getLogger("flwr")
-    level, quiet = logger.level, _DropFixedSeedWarning()
+    level, quiet = logger.level, _DropPerCellWarnings()
     logger.setLevel(logging.WARNING)
     logger.addFilter(quiet)
     try:
@@ -573,9 +601,10 @@ def write_reports(sweep: Sweep) -> list[PairedComparison]:
     sweep.output.mkdir(parents=True, exist_ok=True)
     rows = collect_rows(sweep)
     write_csv(rows, sweep.output / "results.csv")
-    comparisons = paired_comparisons(rows, sweep.paired, sweep.condition_keys, sweep.replicate_keys)
+    in_every_condition = sweep.broadcast(rows)
+    comparisons = paired_comparisons(in_every_condition, sweep.paired, sweep.condition_keys, sweep.replicate_keys)
     (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons))
-    plot_accuracy_vs_round(rows, sweep.condition_keys, sweep.output / "accuracy_vs_round.png")
+    plot_accuracy_vs_round(in_every_condition, sweep.condition_keys, sweep.output / "accuracy_vs_round.png")
     plot_accuracy_vs_epsilon(rows, sweep.condition_keys, sweep.output / "accuracy_vs_epsilon.png")
     return comparisons
 
@@ -618,7 +647,7 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
         epsilon = float(np.mean([r["epsilon"] for r in group]))
         sigma = float(np.mean([r["sigma"] for r in group]))
         cells = [variant, *(_format_value(v) for v in values), str(len(group)), f"{_num(mean)} ± {_num(std)}",
-                 format_value(epsilon), _num(sigma)]
+                 format_value(epsilon), _num(sigma if math.isfinite(epsilon) else math.nan)]
         lines.append("| " + " | ".join(cells) + " |")
     if comparisons:
         lines += ["", "## Paired comparisons", "",
@@ -681,10 +710,11 @@ def plot_accuracy_vs_round(rows: Sequence[dict[str, Any]], condition_keys: Seque
 
 
 def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], condition_keys: Sequence[str], path: Path) -> None:
-    """Final accuracy against the final ε (means over seeds), error bars = std over seeds; ε = ∞ is left out.
+    """Final accuracy against the final ε (means over seeds), error bars = std over seeds.
 
     One line per variant and per value of the condition keys that do not set ε
     (all but ``target-epsilon`` and ``noise-multiplier``); one point per condition.
+    A variant without a DP guarantee (ε = ∞) is a horizontal line, band ± std.
     """
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter, ScalarFormatter
@@ -694,20 +724,29 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], condition_keys: Seq
     figure = Figure(figsize=(5.5, 4), layout="constrained")
     axis = figure.subplots()
     finals = [row for row in final_rows(rows) if math.isfinite(row["epsilon"])]
+    unbounded = [row for row in final_rows(rows) if not math.isfinite(row["epsilon"])]
+    ticks: set[float] = set()
+    for index, (series, group) in enumerate(_groups(unbounded, ["variant", *series_keys]).items()):
+        mean, std = _mean_std([row["accuracy"] for row in group])
+        label = ", ".join([f"{series[0]} (ε = ∞)", *(f"{k}={_format_value(v)}" for k, v in zip(series_keys, series[1:]))])
+        axis.axhline(mean, linestyle=("--", ":", "-.")[index % 3], linewidth=1, color="0.2", label=label)
+        axis.axhspan(mean - np.nan_to_num(std), mean + np.nan_to_num(std), color="0.2", alpha=0.08)
     for series, group in _groups(finals, ["variant", *series_keys]).items():
         points = []
         for condition in _groups(group, condition_keys).values():
             mean, std = _mean_std([row["accuracy"] for row in condition])
             points.append((float(np.mean([row["epsilon"] for row in condition])), mean, std))
         x, y, error = np.array(sorted(points)).T
+        ticks.update(round(float(value), 2) for value in x)
         label = ", ".join([series[0], *(f"{k}={_format_value(v)}" for k, v in zip(series_keys, series[1:]))])
         axis.errorbar(x, y, yerr=np.nan_to_num(error), marker="o", capsize=3, label=label)
+    if finals or unbounded:
+        axis.legend(fontsize=7)
     if finals:
         axis.set_xscale("log")
-        axis.set_xticks(sorted({round(float(t), 2) for line in axis.get_lines() for t in line.get_xdata()}))
+        axis.set_xticks(sorted(ticks))
         axis.xaxis.set_major_formatter(ScalarFormatter())
         axis.xaxis.set_minor_formatter(NullFormatter())
-        axis.legend(fontsize=7)
     else:
         axis.text(0.5, 0.5, "no finished cell with a finite ε", ha="center", transform=axis.transAxes)
     axis.set_xlabel("ε (client-level, after the last round)")

@@ -74,6 +74,33 @@ mixing-strength = 1.0
     assert sweep.condition_keys == ["target-epsilon"] and sweep.replicate_keys == ["seed"]
 
 
+def test_a_variant_that_sets_a_condition_key_runs_once_per_replicate(tmp_path):
+    sweep = load_sweep(_write(tmp_path, """
+output = "out"
+[grid]
+target-epsilon = [1.0, 3.0]
+seed = [0, 1]
+[[variants]]
+name = "gaussian"
+mechanism = "gaussian"
+[[variants]]
+name = "no-dp"
+mechanism = "none"
+target-epsilon = 0.0
+"""))
+    ceiling = [c for c in sweep.cells if c.variant == "no-dp"]
+    assert [c.cell_id for c in ceiling] == ["no-dp__seed=0", "no-dp__seed=1"]
+    assert all(c.config.target_epsilon == 0.0 and c.config.mechanism == "none" for c in ceiling)
+    assert sweep.fixed_keys == {"no-dp": ["target-epsilon"]}
+    rows = [{"cell_id": "no-dp__seed=0", "variant": "no-dp", "target-epsilon": 0.0, "seed": 0},
+            {"cell_id": "gaussian__target-epsilon=1.0__seed=0", "variant": "gaussian", "target-epsilon": 1.0,
+             "seed": 0}]
+    broadcast = sweep.broadcast(rows)
+    assert [(r["variant"], r["target-epsilon"]) for r in broadcast] == [("no-dp", 1.0), ("no-dp", 3.0),
+                                                                         ("gaussian", 1.0)]
+    assert len({r["cell_id"] for r in broadcast}) == 3
+
+
 def test_without_variants_the_mechanism_names_the_cells(tmp_path):
     sweep = load_sweep(_write(tmp_path, """
 output = "out"
@@ -90,8 +117,9 @@ seed = [0, 1, 2]
 
 def test_the_committed_privacy_utility_sweep_is_valid():
     sweep = load_sweep(ROOT / "configs" / "sweep_privacy_utility.toml")
-    assert len(sweep.cells) == 5 * 3 * 3
-    assert {c.config.target_epsilon for c in sweep.cells} == {1.0, 3.0, 8.0}
+    assert len(sweep.cells) == 6 * 3 * 3 + 3
+    assert sweep.fixed_keys == {"no-dp": ["target-epsilon"]}
+    assert {c.config.target_epsilon for c in sweep.cells} == {0.0, 1.0, 3.0, 8.0}
     assert ("hog-random-term", "hog-γ0.5") in sweep.paired
     control = next(c for c in sweep.cells if c.variant == "hog-random-term")
     assert (control.config.mechanism, control.config.hog_term) == ("hog", "random")
@@ -108,7 +136,7 @@ def test_the_committed_privacy_utility_sweep_is_valid():
     ('output = "o"\n[base]\nseed = 1\n[grid]\nseed = [0]', "'seed' is in both"),
     ('output = "o"\n[[variants]]\nmechanism = "hog"', "variant #1 .* needs a 'name'"),
     ('output = "o"\n[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "variant name 'a' is used twice"),
-    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1', "variant 'a' sets 'seed'"),
+    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1', r"variant 'a' sets 'seed', a \[grid\] key that pairs cells"),
     ('output = "o"\n[[variants]]\nname = "a"\nmixing = 1.0', "variant 'a': unknown run-config key 'mixing'"),
     ('output = "o"\npaired = [["a", "b"]]\n[[variants]]\nname = "a"', "no variant 'b'"),
     ('output = "o"\n[grid]\nmechanism = ["hog", "laplace"]', "cell 'mechanism=laplace': mechanism='laplace'"),
@@ -123,27 +151,35 @@ def test_bad_sweep_files_name_the_key(tmp_path, text, match):
 
 def test_the_smoke_sweep_writes_the_csv_summary_and_plots(smoke):
     sweep, outcome = smoke
-    assert not outcome.failed and len(outcome.ran) == 8 and not outcome.skipped
+    assert not outcome.failed and len(outcome.ran) == 14 and not outcome.skipped
     rows = _read_csv(sweep.output / "results.csv")
-    assert len(rows) == 8 * (2 + 1)  # 8 cells × (round 0 + 2 rounds)
+    assert len(rows) == 14 * (2 + 1)  # 14 cells × (round 0 + 2 rounds)
     for key in ("cell_id", "variant", "mechanism", "target-epsilon", "seed", "mixing-strength", "round",
                 "accuracy", "loss", "epsilon", "seconds", "sigma", "cell_seconds"):
         assert key in rows[0], key
     assert {(r["cell_id"], r["round"]) for r in rows} == {(c.cell_id, str(i)) for c in sweep.cells for i in range(3)}
     finals = [r for r in rows if r["round"] == "2"]
     for row in finals:
-        assert 0 < float(row["epsilon"]) <= float(row["target-epsilon"]) * 1.001
-    # paired cells (same seed) share the initial model and the cohorts
+        if row["variant"] == "no-dp":
+            assert row["epsilon"] == "inf" and row["target-epsilon"] == "0.0"
+        else:
+            assert 0 < float(row["epsilon"]) <= float(row["target-epsilon"]) * 1.001
+    # paired cells (same seed) share the initial model, and fedhog's Poisson cells the cohorts
     for seed in ("0", "1"):
         same_seed = [r for r in rows if r["seed"] == seed]
         assert len({r["accuracy"] for r in same_seed if r["round"] == "0"}) == 1
-        assert len({r["clients_sampled"] for r in same_seed if r["round"] == "1"}) == 1
+        assert len({r["clients_sampled"] for r in same_seed
+                    if r["round"] == "1" and r["aggregator"] == "fedhog"}) == 1
+    assert {r["clients_sampled"] for r in rows if r["variant"] == "flower-dp" and r["round"] != "0"} == {"5"}
     summary = (sweep.output / "summary.md").read_text()
-    assert "8 of 8 cells finished" in summary
+    assert "14 of 14 cells finished" in summary
     lines = summary.splitlines()
     assert [line.split(" | ")[:2] for line in lines if line.startswith(("| gaussian | 3", "| hog | 8"))] == [
         ["| gaussian", "3.0"], ["| hog", "8.0"]]
     assert sum(line.startswith("| gaussian | hog | ") for line in lines) == 2  # one paired row per ε
+    # the ceiling, run once per seed, is paired with every ε
+    assert sum(line.startswith(("| gaussian | no-dp | 3.0 | 2 |", "| gaussian | no-dp | 8.0 | 2 |"))
+               for line in lines) == 2
     for name in ("accuracy_vs_round.png", "accuracy_vs_epsilon.png"):
         data = (sweep.output / name).read_bytes()
         assert data.startswith(PNG_HEADER) and len(data) > 5000
@@ -153,8 +189,9 @@ def test_paired_statistics_match_scipy_on_the_csv(smoke):
     sweep, outcome = smoke
     rows = [r for r in _read_csv(sweep.output / "results.csv") if r["round"] == "2"]
     summary = (sweep.output / "summary.md").read_text()
-    assert [c.condition for c in outcome.comparisons] == [(("target-epsilon", 3.0),), (("target-epsilon", 8.0),)]
-    for comparison in outcome.comparisons:
+    hog = [c for c in outcome.comparisons if (c.baseline, c.variant) == ("gaussian", "hog")]
+    assert [c.condition for c in hog] == [(("target-epsilon", 3.0),), (("target-epsilon", 8.0),)]
+    for comparison in hog:
         epsilon = str(comparison.condition[0][1])
         final = {(r["variant"], r["seed"]): float(r["accuracy"]) for r in rows if r["target-epsilon"] == epsilon}
         a = np.array([final["gaussian", s] for s in ("0", "1")])
@@ -167,6 +204,12 @@ def test_paired_statistics_match_scipy_on_the_csv(smoke):
         assert comparison.wilcoxon_statistic == pytest.approx(wilcoxon.statistic, nan_ok=True)
         assert comparison.wilcoxon_pvalue == pytest.approx(wilcoxon.pvalue, nan_ok=True)
         assert f"{comparison.mean:+.4f}" in summary
+    ceiling = {r["seed"]: float(r["accuracy"]) for r in rows if r["variant"] == "no-dp"}
+    for comparison in (c for c in outcome.comparisons if c.variant == "no-dp"):
+        epsilon = str(comparison.condition[0][1])
+        gaussian = {r["seed"]: float(r["accuracy"]) for r in rows
+                    if r["variant"] == "gaussian" and r["target-epsilon"] == epsilon}
+        assert comparison.differences == pytest.approx([ceiling[s] - gaussian[s] for s in ("0", "1")])
 
 
 def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke, tmp_path):
@@ -177,22 +220,26 @@ def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke
     mtimes = {c.cell_id: (c.directory / "metrics.json").stat().st_mtime_ns for c in copy.cells}
 
     again = run_sweep(copy, show_progress=False)
-    assert not again.ran and len(again.skipped) == 8
+    assert not again.ran and len(again.skipped) == 14
     assert mtimes == {c.cell_id: (c.directory / "metrics.json").stat().st_mtime_ns for c in copy.cells}
 
     crashed, deleted = copy.cells[0], copy.cells[-1]
+    assert deleted.config.aggregator == "flower-dp"
     document = json.loads((crashed.directory / "metrics.json").read_text())
+    deleted_document = json.loads((deleted.directory / "metrics.json").read_text())
     (crashed.directory / "metrics.json").write_text(json.dumps({**document, "status": "failed"}))
     shutil.rmtree(deleted.directory)
     third = run_sweep(copy, show_progress=False)
-    assert set(third.ran) == {crashed.cell_id, deleted.cell_id} and len(third.skipped) == 6
+    assert set(third.ran) == {crashed.cell_id, deleted.cell_id} and len(third.skipped) == 12
     for cell in copy.cells[1:-1]:
         assert (cell.directory / "metrics.json").stat().st_mtime_ns == mtimes[cell.cell_id]
     assert json.loads((deleted.directory / "metrics.json").read_text())["status"] == "finished"
-    # the fixed privacy seed reproduces the crashed cell's run exactly
+    # the fixed privacy seed reproduces the crashed cell's run exactly, and Flower's baseline too
     assert json.loads((crashed.directory / "metrics.json").read_text())["rounds"][-1]["accuracy"] == \
         document["rounds"][-1]["accuracy"]
-    assert len(_read_csv(output / "results.csv")) == 8 * 3
+    assert [r["accuracy"] for r in json.loads((deleted.directory / "metrics.json").read_text())["rounds"]] == \
+        [r["accuracy"] for r in deleted_document["rounds"]]
+    assert len(_read_csv(output / "results.csv")) == 14 * 3
 
 
 def test_threads_must_be_positive(smoke):
