@@ -21,9 +21,9 @@ SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-
             "partitioner=\"iid\"", "privacy-seed=11", "noise-multiplier=0.5", "clipping-norm=2.0"]
 
 
-def _fedhog_run(engine: str, results, env) -> dict:
+def _fedhog_run(engine: str, results, env, settings=SETTINGS) -> dict:
     args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine]
-    for setting in SETTINGS + [f"results-dir=\"{results}\""]:
+    for setting in settings + [f"results-dir=\"{results}\""]:
         args += ["--set", setting]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout + done.stderr + _tail(results / "flwr.log")
@@ -34,9 +34,13 @@ def _tail(path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
+def _env(tmp_path) -> dict:
+    return {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(tmp_path / "ray"))}
+
+
 def test_simulation_engine_matches_inprocess(tmp_path):
-    env = {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(tmp_path / "ray"))}
+    env = _env(tmp_path)
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env)
 
@@ -50,3 +54,19 @@ def test_simulation_engine_matches_inprocess(tmp_path):
     model_b = torch.load(tmp_path / "inprocess" / "final_model.pt")
     for key in model_a:
         torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path):
+    """Flower samples node ids and draws noise from global generators, so the engines differ in the draws;
+    the released rounds and their ε (three Gaussian releases, no amplification) do not."""
+    from dp_accounting import dp_event, rdp
+
+    settings = [s for s in SETTINGS if not s.startswith("noise-multiplier")] + [
+        "aggregator=\"flower-dp\"", "mechanism=\"gaussian\"", "sampling=\"fixed\"", "accountant=\"rdp\"",
+        "noise-multiplier=1.5"]
+    metrics = _fedhog_run("simulation", tmp_path / "simulation", _env(tmp_path), settings)
+    assert metrics["status"] == "finished"
+    for record in metrics["rounds"]:
+        assert record["clients_accepted"] == 3
+        reference = rdp.RdpAccountant().compose(dp_event.GaussianDpEvent(1.5), record["round"]).get_epsilon(1e-5)
+        assert record["epsilon"] == pytest.approx(reference, rel=1e-9)
