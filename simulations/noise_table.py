@@ -19,6 +19,12 @@ relative tolerance 1e-3); the spent ε columns are what the two runtime accounta
 report after T releases at that σ. The fair comparison is the noise std on the
 averaged update, σ·C/K, shown per unit C.
 
+A second table takes the setting of ``configs/sweep_privacy_utility.toml``
+(N = 1000, K = 50 clients a round, T = 20 rounds) and splits the gap between
+Flower's accounted wrapper and fedhog at the same cohort into its two causes:
+sampling amplification (Flower's no-amplification σ ÷ fedhog's Poisson σ, both
+RDP) and the accountant (fedhog's RDP σ ÷ its PLD σ).
+
 Usage::
 
     python simulations/noise_table.py
@@ -62,8 +68,21 @@ def fedhog_row(epsilon: float) -> tuple[float, float]:
     return sigma, accountant.epsilon()
 
 
+SWEEP_COHORT = 50  # configs/sweep_privacy_utility.toml: q = 0.05 of N = 1000
+SWEEP_ROUNDS = 20
+
+
+def same_cohort_row(epsilon: float) -> tuple[float, float, float]:
+    """σ at the sweep's setting: Flower (no amplification, RDP), fedhog Poisson with RDP, with PLD."""
+    rate = SWEEP_COHORT / POPULATION
+    flower = calibrate_unamplified_noise_multiplier(epsilon, DELTA, SWEEP_ROUNDS, POPULATION, SWEEP_COHORT)
+    fedhog_rdp, fedhog_pld = (calibrate_noise_multiplier(epsilon, DELTA, SWEEP_ROUNDS, "poisson", rate, POPULATION,
+                                                         accountant) for accountant in ("rdp", "pld"))
+    return flower, fedhog_rdp, fedhog_pld
+
+
 def main() -> None:
-    """Print the Markdown table."""
+    """Print the Markdown tables."""
     print(f"N = {POPULATION} clients, T = {ROUNDS} rounds, δ = {DELTA:g}; "
           "noise std on the averaged update in units of the clipping norm C\n")
     print(f"| ε | Flower σ (q = 1, RDP) | ε spent | Flower std/C (K = {POPULATION}) "
@@ -76,6 +95,15 @@ def main() -> None:
         flower_std, fedhog_std = flower_sigma / POPULATION, fedhog_sigma / FEDHOG_COHORT
         print(f"| {epsilon:g} | {flower_sigma:.4g} | {flower_spent:.4g} | {flower_std:.4g} "
               f"| {fedhog_sigma:.4g} | {fedhog_spent:.4g} | {fedhog_std:.4g} | {fedhog_std / flower_std:.3g} |")
+    print(f"\nSame cohort: N = {POPULATION}, K = {SWEEP_COHORT} a round, T = {SWEEP_ROUNDS} rounds, δ = {DELTA:g} "
+          "(the setting of configs/sweep_privacy_utility.toml)\n")
+    print("| ε | Flower σ (no amplification, RDP) | fedhog σ (Poisson, RDP) | fedhog σ (Poisson, PLD) "
+          "| Flower ÷ fedhog noise | amplification | accountant |")
+    print("|---|---|---|---|---|---|---|")
+    for epsilon in EPSILONS:
+        flower, fedhog_rdp, fedhog_pld = same_cohort_row(epsilon)
+        print(f"| {epsilon:g} | {flower:.4g} | {fedhog_rdp:.4g} | {fedhog_pld:.4g} | {flower / fedhog_pld:.3g}× "
+              f"| {flower / fedhog_rdp:.3g}× | {fedhog_rdp / fedhog_pld:.3g}× |")
 
 
 if __name__ == "__main__":
