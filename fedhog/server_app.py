@@ -143,17 +143,9 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
             rng=strategy.rng.state_dict(), rounds=writer.document["rounds"],
             adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
 
-    writer.update(privacy={
-        "aggregator": config.aggregator,
-        "mechanism": config.mechanism,
-        "has_guarantee": strategy.accountant.has_guarantee,
-        "accountant": strategy.accountant.method,
-        "noise_multiplier": config.noise_multiplier,
-        "target_epsilon": config.target_epsilon or None,
-        "accountant_noise_multiplier": strategy.accountant.event.noise_multiplier
-        if strategy.accountant.event else None,
-        "delta": config.delta,
-    })
+    event = strategy.accountant.event
+    writer.update(privacy=_privacy_record(config, strategy.accountant.has_guarantee, strategy.accountant.method,
+                                          event.noise_multiplier if event else None))
     discovery_started = time.perf_counter()
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.rng.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
@@ -181,14 +173,20 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
 
-    writer.update(privacy={
+    writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier))
+    return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
+
+
+def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,
+                    accountant_noise_multiplier: float | None) -> dict[str, object]:
+    """The ``privacy`` entry of ``metrics.json``: what was run and how it is accounted."""
+    return {
         "aggregator": config.aggregator,
         "mechanism": config.mechanism,
-        "has_guarantee": True,
-        "accountant": "flower-rdp-no-amplification",
+        "has_guarantee": has_guarantee,
+        "accountant": accountant,
         "noise_multiplier": config.noise_multiplier,
         "target_epsilon": config.target_epsilon or None,
-        "accountant_noise_multiplier": config.noise_multiplier,
+        "accountant_noise_multiplier": accountant_noise_multiplier,
         "delta": config.delta,
-    })
-    return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
+    }
