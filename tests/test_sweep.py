@@ -117,7 +117,7 @@ seed = [0, 1, 2]
 
 def test_the_committed_privacy_utility_sweep_is_valid():
     sweep = load_sweep(ROOT / "configs" / "sweep_privacy_utility.toml")
-    assert len(sweep.cells) == 6 * 3 * 3 + 3
+    assert len(sweep.cells) == 6 * 3 * 5 + 5
     assert sweep.fixed_keys == {"no-dp": ["target-epsilon"]}
     assert {c.config.target_epsilon for c in sweep.cells} == {0.0, 1.0, 3.0, 8.0}
     assert ("hog-random-term", "hog-γ0.5") in sweep.paired
