@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -34,13 +35,15 @@ def _tail(path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
-def _env(tmp_path) -> dict:
-    return {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache"), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(tmp_path / "ray"))}
+@pytest.fixture
+def env(tmp_path):
+    """The runs' environment; Ray's socket paths must stay under 107 bytes, so its folder is short."""
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
+        yield {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache"),
+               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", ray)}
 
 
-def test_simulation_engine_matches_inprocess(tmp_path):
-    env = _env(tmp_path)
+def test_simulation_engine_matches_inprocess(tmp_path, env):
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env)
 
@@ -56,7 +59,7 @@ def test_simulation_engine_matches_inprocess(tmp_path):
         torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6)
 
 
-def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path):
+def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path, env):
     """Flower samples node ids and draws noise from global generators, so the engines differ in the draws;
     the released rounds and their ε (three Gaussian releases, no amplification) do not."""
     from dp_accounting import dp_event, rdp
@@ -64,7 +67,7 @@ def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path):
     settings = [s for s in SETTINGS if not s.startswith("noise-multiplier")] + [
         "aggregator=\"flower-dp\"", "mechanism=\"gaussian\"", "sampling=\"fixed\"", "accountant=\"rdp\"",
         "noise-multiplier=1.5"]
-    metrics = _fedhog_run("simulation", tmp_path / "simulation", _env(tmp_path), settings)
+    metrics = _fedhog_run("simulation", tmp_path / "simulation", env, settings)
     assert metrics["status"] == "finished"
     for record in metrics["rounds"]:
         assert record["clients_accepted"] == 3
