@@ -142,8 +142,9 @@ class Sweep:
         A no-DP ceiling run once then appears in every ε condition, for pairing and plotting.
         """
         out: list[dict[str, Any]] = []
+        fixed = self.fixed_keys
         for row in rows:
-            keys = self.fixed_keys.get(row["variant"], [])
+            keys = fixed.get(row["variant"], [])
             for values in itertools.product(*(self.grid[k] for k in keys)):
                 condition = dict(zip(keys, values))
                 cell_id = "__".join([row["cell_id"], *(f"{k}={_format_value(v)}" for k, v in condition.items())])
