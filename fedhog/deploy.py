@@ -341,6 +341,29 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+class _StopRequest:
+    """Ctrl-C or SIGTERM while a run is watched: noted by the handler, raised once the display has closed.
+
+    Raised straight from the handler, the exception can land inside the live
+    display between taking and releasing its lock, and closing the display then
+    waits forever (seen once: the deployment outlived a Ctrl-C by over a minute).
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def note(self, signum: int, frame: object) -> None:
+        """Signal handler: remember the first signal; the watch loop ends within half a second."""
+        self.signum = self.signum or signum
+
+    def raise_if_requested(self) -> None:
+        """KeyboardInterrupt for Ctrl-C, SystemExit(128 + signum) for SIGTERM, as if raised by the signal."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum:
+            raise SystemExit(128 + self.signum)
+
+
 def deploy_local(
     config: RunConfig,
     nodes: int,
@@ -416,7 +439,10 @@ def deploy_local(
                 problem.append(f"the run timed out after {timeout:g} s")
             return run.poll() is None and not problem
 
-        watch_metrics(directory, config.rounds, running)
+        stop = _StopRequest()
+        with _handling([signal.SIGINT, signal.SIGTERM], stop.note):
+            watch_metrics(directory, config.rounds, lambda: running() and not stop.signum)
+        stop.raise_if_requested()
         if problem:
             raise DeployError(f"{problem[0]}; the flwr run log: {directory / 'flwr.log'}")
         if run.returncode != 0:

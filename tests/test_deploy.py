@@ -170,7 +170,8 @@ def test_one_round_over_tls(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_run_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_during_a_run_leaves_no_process(tmp_path, signum):
     config = _config(tmp_path, "interrupted", rounds=20)
     script = ("import sys; from pathlib import Path; from fedhog.config import load_config; "
               "from fedhog.deploy import deploy_local; "
@@ -184,7 +185,10 @@ def test_ctrl_c_during_a_run_leaves_no_process(tmp_path):
         assert time.monotonic() < deadline, "the ServerApp did not start"
         time.sleep(0.5)
     assert _processes_using(tmp_path / "work")
-    driver.send_signal(signal.SIGINT)
+    driver.send_signal(signum)
     output = driver.communicate(timeout=60)[0]
-    assert driver.returncode != 0 and "KeyboardInterrupt" in output
+    if signum == signal.SIGINT:
+        assert driver.returncode != 0 and "KeyboardInterrupt" in output
+    else:
+        assert driver.returncode == 128 + signal.SIGTERM, output
     assert _processes_using(tmp_path / "work") == []
