@@ -9,6 +9,7 @@ The defaults here are the ``[tool.flwr.app.config]`` of ``pyproject.toml``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass, fields
@@ -257,8 +258,8 @@ class RunConfig:
         for key, allowed in required.items():
             if self._get(key) != allowed:
                 raise ConfigError(
-                    f"aggregator='flower-dp' needs {key}={_format_toml(allowed)}, got {key}="
-                    f"{_format_toml(self._get(key))} (Flower's DifferentialPrivacyServerSideFixedClipping over "
+                    f"aggregator='flower-dp' needs {key}={toml_value(allowed)}, got {key}="
+                    f"{toml_value(self._get(key))} (Flower's DifferentialPrivacyServerSideFixedClipping over "
                     "FedAvg adds Gaussian noise to a fixed-size cohort and accounts it with its RdpAccountant "
                     "without amplification; it has no mixing, adaptive clipping, reply filter or checkpoints)")
         if self.noise_multiplier == 0 and self.target_epsilon == 0:
@@ -332,10 +333,16 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
     return value
 
 
-def _format_toml(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` as TOML writes it (config files, and the values error messages name)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value) if isinstance(value, str) else f"{value:g}"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # JSON string escapes are TOML's, except that TOML has no surrogate pairs and no raw DEL
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

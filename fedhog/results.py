@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from .config import RunConfig
+from .config import RunConfig, toml_value
 
 
 def default_results_dir(base: Path | None = None) -> Path:
@@ -50,19 +50,8 @@ def config_to_toml(config: RunConfig) -> str:
         if key == "noise-multiplier" and config.target_epsilon > 0:
             lines.append("# noise-multiplier is calibrated to target-epsilon at the start of the run")
             continue
-        lines.append(f"{key} = {_toml_value(value)}")
+        lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    # JSON string escapes are TOML's, except that TOML has no surrogate pairs and no raw DEL
-    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _json_safe(value: Any) -> Any:
