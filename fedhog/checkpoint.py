@@ -24,6 +24,9 @@ class CheckpointError(RuntimeError):
 class Checkpoint:
     """The state after a finished round.
 
+    It holds no randomness: with OS entropy a resumed run draws fresh keys,
+    with a fixed privacy seed every round's streams follow from (seed, round).
+
     Parameters
     ----------
     round : int
@@ -32,20 +35,21 @@ class Checkpoint:
         The global model's state dict after that round.
     accountant : dict
         :meth:`ClientLevelAccountant.state_dict` (the releases so far).
-    rng : dict
-        :meth:`PrivacyRng.state_dict` (sampling, ξ and noise generators).
     rounds : list
         The per-round records written to ``metrics.json`` so far.
     adaptive_clipping : dict, optional
         :meth:`AdaptiveClipping.state_dict` (the current clipping norm), when on.
+    job_id : str
+        The training job's name, the same across resumes (DP-SGD clients keep
+        their record-level accountants under it).
     """
 
     round: int
     model: dict[str, torch.Tensor]
     accountant: dict[str, Any]
-    rng: dict[str, Any]
     rounds: list[dict[str, Any]]
     adaptive_clipping: dict[str, Any] | None = None
+    job_id: str = ""
 
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:

@@ -206,6 +206,8 @@ def _report(directory: Path, failed: bool, error: object) -> int:
     if privacy.get("has_guarantee"):
         calibrated = f" (calibrated to ε = {privacy['target_epsilon']:g})" if privacy.get("target_epsilon") else ""
         table.add_row("noise", f"σ = {privacy['noise_multiplier']:.4g}{calibrated}, {privacy['accountant']} accountant")
+    if privacy.get("randomness"):
+        table.add_row("randomness", privacy["randomness"])
     table.add_row("wall time", f"{document['seconds']:.1f} s")
     table.add_row("results", str(directory))
     Console().print(table)
@@ -216,6 +218,10 @@ def _print_privacy_banner(config: RunConfig) -> None:
     if not config.mechanism_settings.has_guarantee:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
+    if config.privacy_seed >= 0:
+        console.print(f"[bold red]WARNING: privacy-seed={config.privacy_seed}: cohorts, ξ and noise are "
+                      "reproducible, so anyone who knows the seed can remove the noise; the ε printed holds only "
+                      "against those who do not. For experiments only; deployments use privacy-seed = -1.[/]")
 
 
 if __name__ == "__main__":

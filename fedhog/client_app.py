@@ -15,6 +15,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from . import protocol
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
@@ -48,10 +49,10 @@ def run_config_of(context: Context) -> RunConfig:
 def identify(msg: Message, context: Context) -> Message:
     """Tell the server which data partition this node holds."""
     metrics = MetricRecord({
-        "partition-id": int(context.node_config["partition-id"]),
+        protocol.PARTITION_ID: int(context.node_config["partition-id"]),
         "num-partitions": int(context.node_config["num-partitions"]),
     })
-    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+    return Message(RecordDict({protocol.METRICS: metrics}), reply_to=msg)
 
 
 @app.train()
@@ -59,7 +60,7 @@ def train(msg: Message, context: Context) -> Message:
     """Train locally from the global model; reply with Δ, t and metrics."""
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = int(msg.content["config"]["server-round"])
+    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
     seed = direction_seed(config.seed, server_round, partition_id)
     device = select_device(config.device)
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
@@ -86,10 +87,10 @@ def train(msg: Message, context: Context) -> Message:
     # raw-record statistics are not sent under DP-SGD, so they are not computed either
     validation_accuracy = -1.0 if dpsgd else _finite_or(evaluate(model, validation_data)[1], -1.0)
 
-    records = RecordDict({"update": ArrayRecord(_to_cpu(update))})
+    records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(update))})
     metrics: dict[str, float | int] = {
-        "partition-id": partition_id,
-        "num-examples": len(train_data),
+        protocol.PARTITION_ID: partition_id,
+        protocol.NUM_EXAMPLES: len(train_data),
         "train-loss": -1.0 if dpsgd else _finite_or(local.mean_loss, -1.0),
         "local-steps": local.steps,
         "hog-step-cubic-steps": local.cubic_steps,
@@ -101,10 +102,10 @@ def train(msg: Message, context: Context) -> Message:
         model.load_state_dict(global_state)
         with measure_peak_memory(device) as peak:
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
-        metrics.update({"third-order-seconds": seconds, "third-order-finite": int(finite), **peak.as_metrics()})
+        metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
         if finite:
-            records["third-order-term"] = ArrayRecord(_to_cpu(term))
-    records["metrics"] = MetricRecord(metrics)
+            records[protocol.TERM] = ArrayRecord(_to_cpu(term))
+    records[protocol.METRICS] = MetricRecord(metrics)
     return Message(records, reply_to=msg)
 
 
@@ -115,7 +116,7 @@ def _reply_to_flower_dp(msg: Message, global_state: dict[str, torch.Tensor], upd
 
     arrays = {k: global_state[k] + server_learning_rate * delta for k, delta in update.items()}
     metrics = MetricRecord({WEIGHT_KEY: 1, "train-loss": _finite_or(train_loss, -1.0)})
-    return Message(RecordDict({REPLY_KEY: ArrayRecord(_to_cpu(arrays)), "metrics": metrics}), reply_to=msg)
+    return Message(RecordDict({REPLY_KEY: ArrayRecord(_to_cpu(arrays)), protocol.METRICS: metrics}), reply_to=msg)
 
 
 def third_order_term(

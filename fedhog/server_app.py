@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -20,8 +21,9 @@ from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.rng import PrivacyRng
+from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, default_results_dir
+from .protocol import JOB_ID
 from .strategy import RoundRecord, SecureAggregator
 from .training import evaluate
 
@@ -36,7 +38,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def build_strategy(config: RunConfig) -> SecureAggregator:
-    """The aggregator, its accountant and its dedicated randomness."""
+    """The aggregator, its accountant and its private randomness."""
     mechanism = config.mechanism_settings
     accountant = ClientLevelAccountant(
         noise_multiplier=config.noise_multiplier,
@@ -47,21 +49,22 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
         has_guarantee=mechanism.has_guarantee,
         accountant=config.accountant,
     )
-    rng = PrivacyRng(None if config.privacy_seed < 0 else config.privacy_seed)
+    randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
-    return SecureAggregator(mechanism, accountant, rng, config.sampling,  # type: ignore[arg-type]
+    return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
                             config.sampling_rate, config.server_learning_rate, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
-                            config.max_update_norm)
+                            config.max_update_norm, equal_weights=config.client_dp == "dpsgd")
 
 
 def run_server(grid: Grid, config: RunConfig) -> Path:
     """Train (or resume), evaluate every round, write results; return the folder.
 
     After every round the results folder gets ``metrics.json`` and, with
-    fedhog's aggregator, an atomic ``checkpoint.pt`` (model, accountant, privacy
-    RNG states, rounds so far); with ``resume = true`` the run continues from
-    that checkpoint. ``aggregator = "flower-dp"`` runs Flower's accounted DP
+    fedhog's aggregator, an atomic ``checkpoint.pt`` (model, accountant,
+    adaptive clipping's C, rounds so far: no randomness, see
+    :class:`~fedhog.privacy.randomness.PrivacyRandomness`); with
+    ``resume = true`` the run continues from that checkpoint. ``aggregator = "flower-dp"`` runs Flower's accounted DP
     wrapper instead (:mod:`fedhog.flower_baseline`).
     """
     started = time.perf_counter()
@@ -140,26 +143,33 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         save_checkpoint(writer.directory, Checkpoint(
             round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rng=strategy.rng.state_dict(), rounds=writer.document["rounds"],
+            rounds=writer.document["rounds"], job_id=job_id,
             adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
 
+    # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
+    job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
     event = strategy.accountant.event
-    writer.update(privacy=_privacy_record(config, strategy.accountant.has_guarantee, strategy.accountant.method,
-                                          event.noise_multiplier if event else None))
+    numel = sum(int(math.prod(array.shape)) for array in initial.values())
+    writer.update(job_id=job_id, privacy=_privacy_record(
+        config, strategy.accountant.has_guarantee, strategy.accountant.method,
+        event.noise_multiplier if event else None,
+        randomness="fixed privacy-seed (predictable)" if strategy.randomness.seed_is_fixed
+        else "OS entropy (ChaCha20, 256-bit keys)",
+        sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds)))
     discovery_started = time.perf_counter()
-    strategy.discover(grid, config.population, config.round_timeout, identify=strategy.rng.seed_is_fixed)
+    strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
     first_round = 1
     if checkpoint is not None:
         initial = ArrayRecord(checkpoint.model)
         strategy.accountant.load_state_dict(checkpoint.accountant)
-        strategy.rng.load_state_dict(checkpoint.rng)
         if strategy.adaptive_clipping is not None and checkpoint.adaptive_clipping is not None:
             strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                            evaluate_fn=evaluate_fn, on_round=on_round, first_round=first_round)
+                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
+                            on_round=on_round, first_round=first_round)
     return result.arrays, strategy.accountant.epsilon()
 
 
@@ -173,13 +183,15 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
 
-    writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier))
+    writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier,
+                                          randomness="Flower's: NumPy's global generator (Mersenne Twister, "
+                                          "not for deployment)"))
     return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
 
 
 def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,
-                    accountant_noise_multiplier: float | None) -> dict[str, object]:
-    """The ``privacy`` entry of ``metrics.json``: what was run and how it is accounted."""
+                    accountant_noise_multiplier: float | None, **details: object) -> dict[str, object]:
+    """The ``privacy`` entry of ``metrics.json``: what was run, how it is accounted, where its noise comes from."""
     return {
         "aggregator": config.aggregator,
         "mechanism": config.mechanism,
@@ -189,4 +201,5 @@ def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,
         "target_epsilon": config.target_epsilon or None,
         "accountant_noise_multiplier": accountant_noise_multiplier,
         "delta": config.delta,
+        **details,
     }

@@ -20,16 +20,21 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from . import protocol
 from .monitoring import reply_nbytes
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.mechanism import Contribution, MechanismSettings, aggregate
-from .privacy.rng import PrivacyRng
+from .privacy.mechanism import (
+    MAX_TAIL_DELTA_SHARE,
+    Contribution,
+    MechanismSettings,
+    aggregate,
+    noise_tail_delta,
+    stable_norm,
+)
+from .privacy.randomness import MAX_STANDARD_NORMAL, PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 
-UPDATE_KEY = "update"
-TERM_KEY = "third-order-term"
-METRICS_KEY = "metrics"
 NON_FINITE_TERM = "non-finite third-order term"
 
 
@@ -72,8 +77,9 @@ class SecureAggregator(Strategy):
         ``none``, ``gaussian`` (DP-FedAvg) or ``hog`` (mixing + DP-FedAvg).
     accountant : ClientLevelAccountant
         Composes one event per released round; reports ε(δ).
-    rng : PrivacyRng
-        Dedicated generators for sampling, ξ and noise.
+    randomness : PrivacyRandomness
+        Where each round's sampling, ξ and noise come from (OS entropy, or a
+        fixed seed for experiments).
     sampling : {"poisson", "fixed"}
         Poisson sampling with rate q, or exactly q·N clients without replacement.
     sampling_rate : float
@@ -90,23 +96,28 @@ class SecureAggregator(Strategy):
         Track a quantile of the contribution norms (Andrew et al. 2021): round t
         clips at its current C and adds noise σ_Δ·C; the accountant composes σ,
         which covers the update and the noisy count together.
+    equal_weights : bool
+        Replies carry no record counts (DP-SGD clients): FedAvg (``none``)
+        weighs every client equally. DP mechanisms never use the counts.
     """
 
     def __init__(
         self,
         mechanism: MechanismSettings,
         accountant: ClientLevelAccountant,
-        rng: PrivacyRng,
+        randomness: PrivacyRandomness,
         sampling: SamplingKind,
         sampling_rate: float,
         server_learning_rate: float = 1.0,
         max_epsilon: float = math.inf,
         adaptive_clipping: AdaptiveClipping | None = None,
         max_update_norm: float = math.inf,
+        equal_weights: bool = False,
     ) -> None:
         self.mechanism = mechanism
         self.accountant = accountant
-        self.rng = rng
+        self.randomness = randomness
+        self.equal_weights = equal_weights
         self.sampling = sampling
         self.sampling_rate = sampling_rate
         self.server_learning_rate = server_learning_rate
@@ -116,6 +127,7 @@ class SecureAggregator(Strategy):
         self.slot_of_node: dict[int, int] = {}  # node id -> position in the population (see discover)
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
+        self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
 
@@ -138,9 +150,16 @@ class SecureAggregator(Strategy):
         else:
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
                 "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
-        if self.rng.seed_is_fixed:
-            log(WARNING, "privacy-seed is fixed: sampling and noise are reproducible and therefore "
-                "predictable; use it for experiments only")
+        if self.randomness.seed_is_fixed:
+            log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible and therefore "
+                "predictable to anyone who knows the seed; the ε printed holds only against those who do not. "
+                "Use it for experiments only")
+
+    def sampler_tail_delta(self, numel: int, rounds: int) -> float:
+        """What the sampler's truncated normals add to δ over ``rounds`` releases (0 without a guarantee)."""
+        if not self.accountant.has_guarantee:
+            return 0.0
+        return noise_tail_delta(self.accountant.event.noise_multiplier, numel, rounds)
 
     # --- the population --------------------------------------------------------
     def discover(self, grid: Grid, population: int, timeout: float, identify: bool) -> None:
@@ -163,7 +182,7 @@ class SecureAggregator(Strategy):
         mapping = {}
         for reply in grid.send_and_receive(messages, timeout=timeout):
             if not reply.has_error():
-                mapping[reply.metadata.src_node_id] = int(reply.content[METRICS_KEY]["partition-id"])
+                mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
         if sorted(mapping.values()) != list(range(population)):
             raise RuntimeError(_population_mismatch(
                 population, f"the {len(mapping)} nodes that answered hold {len(set(mapping.values()))} "
@@ -177,12 +196,13 @@ class SecureAggregator(Strategy):
         """Sample this round's cohort and send it the global model."""
         slots = sorted(self.slot_of_node.values())
         node_of_slot = {slot: node for node, slot in self.slot_of_node.items()}
-        chosen = sample_cohort(slots, self.sampling, self.sampling_rate, self.rng.sampling)
+        self._round_randomness = self.randomness.for_round(server_round)
+        chosen = sample_cohort(slots, self.sampling, self.sampling_rate, self._round_randomness.sampling)
         self._global = arrays
         self._cohort = {node_of_slot[slot]: slot for slot in chosen}
         self.current = RoundRecord(round=server_round, clients_sampled=len(chosen))
         self.client_metrics = []
-        config["server-round"] = server_round
+        config[protocol.SERVER_ROUND] = server_round
         record = RecordDict({"arrays": arrays, "config": config})
         return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in self._cohort]
 
@@ -208,12 +228,16 @@ class SecureAggregator(Strategy):
                     reply.metadata.src_node_id, error)
                 continue
             contributions.append((slot, contribution, reply.content))
-        contributions.sort(key=lambda item: item[0])  # slot order: ξ_i does not depend on arrival
+        contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
 
         keys = list(self._global.keys())
         flat_global = _flatten(self._global, keys)
-        xis = self.rng.standard_normals(len(contributions)) if self.mechanism.kind == "hog" else [0.0] * len(contributions)
+        randomness, self._round_randomness = self._round_randomness, None
+        xis = [0.0] * len(contributions)
+        if self.mechanism.kind == "hog":  # one ξ per slot of the population: a client's ξ does not depend on who else replied
+            per_slot = standard_normal(randomness.mixing, len(self.slot_of_node))
+            xis = [float(per_slot[slot]) for slot, _, _ in contributions]
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         settings = self.mechanism
         if self.adaptive_clipping is not None:
@@ -221,13 +245,13 @@ class SecureAggregator(Strategy):
                                            noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
         averaged, stats = aggregate(
             [c for _, c, _ in contributions], settings, expected_cohort,
-            xis, self.rng.noise, flat_global.numel(), flat_global.dtype,
+            xis, randomness.noise, flat_global.numel(), flat_global.dtype,
         )
         if self.mechanism.kind == "none" and not contributions:
             return None, None
         record.clipping_norm = settings.clipping_norm
         if self.adaptive_clipping is not None:
-            step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, self.rng.noise)
+            step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
         self.accountant.compose_round()  # σ covers the update and, with adaptive clipping, the count
         new_flat = flat_global + self.server_learning_rate * averaged
@@ -236,7 +260,7 @@ class SecureAggregator(Strategy):
         record.fraction_clipped = stats.fraction_clipped
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
-        client_metrics = [content[METRICS_KEY] for _, _, content in contributions]
+        client_metrics = [content[protocol.METRICS] for _, _, content in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
@@ -263,22 +287,27 @@ class SecureAggregator(Strategy):
     def read_contribution(self, reply: Message) -> Contribution:
         """Turn a reply into a flat contribution, or raise :class:`BadReply`."""
         content = reply.content
-        if METRICS_KEY not in content.metric_records:
-            raise BadReply(f"malformed: no MetricRecord '{METRICS_KEY}'")
-        metrics = content[METRICS_KEY]
-        num_examples = metrics.get("num-examples")
-        if not isinstance(num_examples, int) or num_examples < 0:
-            raise BadReply(f"malformed: num-examples={num_examples!r}")
-        update = _read_like(content, UPDATE_KEY, self._global)
-        norm = float(torch.linalg.vector_norm(update))
-        if norm > self.max_update_norm:
-            raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}")
+        if protocol.METRICS not in content.metric_records:
+            raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
+        metrics = content[protocol.METRICS]
+        weight = 1
+        if not self.equal_weights:
+            weight = metrics.get(protocol.NUM_EXAMPLES)
+            if not isinstance(weight, int) or weight < 0:
+                raise BadReply(f"malformed: num-examples={weight!r}")
+        update = _read_like(content, protocol.UPDATE, self._global)
+        norm = stable_norm(update)  # float64 and scaled: float32 entries near 1e19 do not make it inf
+        if not norm <= self.max_update_norm:
+            raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
+                           if math.isfinite(norm) else f"too large: update norm {norm} is not finite")
         term = None
         if self.mechanism.kind == "hog":
-            if metrics.get("third-order-finite", 1) == 0:
+            if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
                 raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
-            term = _read_like(content, TERM_KEY, self._global)
-        return Contribution(update=update, num_examples=num_examples, term=term)
+            term = _read_like(content, protocol.TERM, self._global)
+            if not math.isfinite(stable_norm(term)):
+                raise BadReply(f"{NON_FINITE_TERM}: its norm is not finite in float64")
+        return Contribution(update=update, weight=weight, term=term)
 
     # --- no federated evaluation: the server evaluates centrally -------------
     def configure_evaluate(
@@ -313,6 +342,12 @@ class SecureAggregator(Strategy):
         """
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
+        tail = self.sampler_tail_delta(sum(int(np.prod(a.shape)) for a in initial_arrays.values()), num_rounds)
+        if tail > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
+            raise ValueError(
+                f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise sampler: "
+                f"its normals stop at {MAX_STANDARD_NORMAL:.2f} standard deviations, which adds up to "
+                f"{tail:.3g} to δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
         result = Result()
         arrays = initial_arrays
         for server_round in range(first_round, num_rounds + 1):

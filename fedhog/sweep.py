@@ -29,7 +29,7 @@ model initialisation and the clients' shuffling and directions. Unless the
 sweep sets ``privacy-seed``, each cell gets the fixed privacy seed
 :func:`privacy_seed_for` its ``seed``, so paired cells also draw the same
 cohorts every round and the same Gaussian noise draws (``hog`` takes its ξ from
-a generator of its own, so mixing does not shift the noise). A fixed privacy seed
+a stream of its own, so mixing does not shift the noise). A fixed privacy seed
 makes the noise predictable: it is for experiments, never for a deployment.
 
 **Resuming.** A cell whose ``metrics.json`` says ``"finished"`` is not rerun

@@ -22,12 +22,13 @@ from fedhog.privacy.adaptive_clipping import (
     default_count_noise_std,
     update_noise_multiplier,
 )
+from fedhog.privacy.mechanism import LATTICE_BITS
+from fedhog.privacy.randomness import SeededBits, standard_normal
 
 
-def generator(seed: int = 0) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
-    return g
+def generator(seed: int = 0) -> SeededBits:
+    """A seeded noise stream (the round's noise stream in a run)."""
+    return SeededBits(seed)
 
 
 def clipper(sigma: float = 0.0, **overrides) -> AdaptiveClipping:
@@ -202,7 +203,7 @@ def test_step_rejects_bad_inputs():
         c.step([1.0, math.nan], 10, generator())
     with pytest.raises(ValueError, match=r"norms_before_clip holds -1\.0"):
         c.step([-1.0], 10, generator())
-    with pytest.raises(TypeError, match=r"generator=.* must be a torch\.Generator"):
+    with pytest.raises(TypeError, match=r"bits=.* must be a RandomBits stream"):
         c.step([1.0], 10, np.random.default_rng(0))
     assert c.clipping_norm == 1.0 and c.steps == 0  # nothing moved
 
@@ -253,16 +254,17 @@ def test_out_of_range_fraction_is_clamped_before_the_update():
 # --- the count's noise -----------------------------------------------------------
 
 
-def test_count_noise_is_sigma_b_times_the_dedicated_generators_normal():
+def test_count_noise_is_sigma_b_times_the_streams_normal_up_to_the_lattice():
     sigma_b, cohort = 3.0, 50
+    granularity = 2.0 ** (1 - LATTICE_BITS)  # 2^(⌊log2 3⌋ − 40)
     c = clipper(sigma=1.0, initial_clipping_norm=1.0, count_noise_std=sigma_b)
     mirror = generator(7)
     g = generator(7)
     for _ in range(20):
         norms = [0.5 * c.clipping_norm] * 25 + [2.0 * c.clipping_norm] * 25  # exactly half under C
         result = c.step(norms, cohort, g)
-        expected = 0.5 + sigma_b * float(torch.randn(1, generator=mirror, dtype=torch.float64)[0]) / cohort
-        assert result.noisy_unclipped_fraction == pytest.approx(expected, abs=1e-15)
+        expected = 0.5 + sigma_b * float(standard_normal(mirror, 1)[0]) / cohort
+        assert result.noisy_unclipped_fraction == pytest.approx(expected, abs=granularity / 2 / cohort + 1e-16)
 
 
 def test_count_noise_std_is_statistically_correct():
@@ -283,8 +285,8 @@ def test_count_noise_std_is_statistically_correct():
 def test_zero_count_noise_still_draws_once_per_step():
     g, mirror = generator(3), generator(3)
     clipper().step([1.0, 2.0], 4, g)
-    torch.randn(1, generator=mirror, dtype=torch.float64)
-    assert torch.equal(g.get_state(), mirror.get_state())
+    standard_normal(mirror, 1)
+    assert np.array_equal(g.words(4), mirror.words(4))  # both streams are at the same place
 
 
 def test_global_rngs_untouched():
@@ -347,18 +349,15 @@ def test_state_dict_round_trip_continues_identically():
     def run(c, g, rounds, data):
         return [c.step(data.lognormal(0.0, 1.0, size=20).tolist(), 20, g) for _ in range(rounds)]
 
-    c, g = clipper(sigma=1.0, initial_clipping_norm=0.1, count_noise_std=1.0), generator(21)
-    run(c, g, 15, np.random.default_rng(0))
+    c = clipper(sigma=1.0, initial_clipping_norm=0.1, count_noise_std=1.0)
+    run(c, generator(21), 15, np.random.default_rng(0))
     state = json.loads(json.dumps(c.state_dict()))  # plain Python, survives JSON
-    generator_state = g.get_state()
-    expected = run(c, g, 15, np.random.default_rng(1))
+    expected = run(c, generator(22), 15, np.random.default_rng(1))  # later rounds: streams of their own
 
     resumed = clipper(sigma=1.0, initial_clipping_norm=0.1, count_noise_std=1.0)
     resumed.load_state_dict(state)
     assert resumed.steps == 15 and resumed.clipping_norm == state["clipping_norm"]
-    g2 = generator()
-    g2.set_state(generator_state)
-    assert run(resumed, g2, 15, np.random.default_rng(1)) == expected
+    assert run(resumed, generator(22), 15, np.random.default_rng(1)) == expected
     assert resumed.state_dict() == c.state_dict()
 
 

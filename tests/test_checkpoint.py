@@ -17,7 +17,7 @@ from fedhog.checkpoint import CHECKPOINT, PREVIOUS, Checkpoint, CheckpointError,
 
 def _checkpoint(round_: int) -> Checkpoint:
     return Checkpoint(round=round_, model={"w": torch.full((2, 3), float(round_))},
-                      accountant={"releases": round_, "backend": None}, rng={"noise": torch.arange(4)},
+                      accountant={"releases": round_, "backend": None}, job_id="0" * 32,
                       rounds=[{"round": r, "epsilon": 0.1 * r} for r in range(1, round_ + 1)])
 
 

@@ -10,13 +10,15 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from fedhog.privacy.mechanism import (
+    CLIP_GUARD,
     Contribution,
     MechanismSettings,
+    NoiseLattice,
     aggregate,
-    clip_to_norm,
-    mix_third_order,
+    constrain_sensitivity,
+    noise_tail_delta,
 )
-from fedhog.privacy.rng import PrivacyRng
+from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits
 
 F64 = torch.float64
 
@@ -25,21 +27,33 @@ def t64(*values):
     return torch.tensor(values, dtype=F64)
 
 
-# --- mix_third_order ---------------------------------------------------------
+def mixed(update, term, gamma, xi, clip=1e9):
+    """u = Δ + γξ(‖Δ‖/‖t‖)t, with a clipping norm too large to act."""
+    out, stats = constrain_sensitivity(update, term, xi, MechanismSettings("hog", clip, 0.0, gamma))
+    return out, stats
 
 
-def test_mix_third_order_hand_example():
+def clip_only(vector, clip):
+    return constrain_sensitivity(vector, None, 0.0, MechanismSettings("gaussian", clip, 0.0))
+
+
+# --- the mixing ---------------------------------------------------------------
+
+
+def test_mixing_hand_example():
     # Δ = (3, 4), ‖Δ‖ = 5; t = (0, 2), ‖t‖ = 2; γ = 0.5, ξ = -1.2
     # scale = 0.5 · (-1.2) · 5 / 2 = -1.5  →  u = (3, 4 - 3) = (3, 1)
-    u = mix_third_order(t64(3, 4), t64(0, 2), mixing_strength=0.5, xi=-1.2)
+    u, stats = mixed(t64(3, 4), t64(0, 2), 0.5, -1.2)
     torch.testing.assert_close(u, t64(3.0, 1.0), rtol=0, atol=1e-12)
+    assert stats.mixing_ratio == pytest.approx(0.6, rel=1e-15)
+    assert stats.norm_before_clip == pytest.approx(math.sqrt(10), rel=1e-12) and not stats.clipped
 
 
-def test_mix_third_order_second_hand_example():
+def test_mixing_second_hand_example():
     # Δ = (1, 0, 2), ‖Δ‖ = √5; t = (2, -1, 2), ‖t‖ = 3; γ = 2, ξ = 0.3
     # scale = 2 · 0.3 · √5 / 3 = 0.2 √5
     scale = 0.2 * math.sqrt(5)
-    u = mix_third_order(t64(1, 0, 2), t64(2, -1, 2), mixing_strength=2.0, xi=0.3)
+    u, _ = mixed(t64(1, 0, 2), t64(2, -1, 2), 2.0, 0.3)
     torch.testing.assert_close(u, t64(1 + 2 * scale, -scale, 2 + 2 * scale), rtol=0, atol=1e-12)
 
 
@@ -47,27 +61,35 @@ def test_mixing_term_norm_is_gamma_abs_xi_times_update_norm():
     # ‖u - Δ‖ = γ |ξ| ‖Δ‖ whatever the scale of t (the term contributes only a direction).
     gen = torch.Generator().manual_seed(3)
     update = torch.randn(50, generator=gen, dtype=F64)
-    term = 1e4 * torch.randn(50, generator=gen, dtype=F64)
-    u = mix_third_order(update, term, mixing_strength=0.7, xi=-2.5)
-    assert float(torch.linalg.vector_norm(u - update)) == pytest.approx(
-        0.7 * 2.5 * float(torch.linalg.vector_norm(update)), rel=1e-12
-    )
+    for scale in (1e-30, 1.0, 1e4, 1e30):
+        term = scale * torch.randn(50, generator=torch.Generator().manual_seed(4), dtype=F64)
+        u, stats = mixed(update, term, 0.7, -2.5)
+        expected = 0.7 * 2.5 * float(torch.linalg.vector_norm(update))
+        assert float(torch.linalg.vector_norm(u - update)) == pytest.approx(expected, rel=1e-12)
+        assert stats.mixing_ratio == pytest.approx(0.7 * 2.5, rel=1e-15)
 
 
-def test_mix_third_order_zero_term_returns_update():
+def test_zero_term_zero_update_or_zero_gamma_leave_the_update():
     update = t64(3, -4, 1)
-    u = mix_third_order(update, torch.zeros(3, dtype=F64), mixing_strength=0.5, xi=1.7)
-    assert torch.equal(u, update)
+    u, stats = mixed(update, torch.zeros(3, dtype=F64), 0.5, 1.7)
+    assert torch.equal(u, update) and stats.mixing_ratio == 0.0
     assert u is not update  # a copy: later in-place work cannot alter the reply
-
-
-def test_mix_third_order_zero_update_or_zero_gamma_returns_update():
     zero = torch.zeros(3, dtype=F64)
-    assert torch.equal(mix_third_order(zero, t64(1, 2, 3), 0.5, 1.0), zero)
-    assert torch.equal(mix_third_order(t64(1, 2, 3), t64(4, 5, 6), 0.0, 1.0), t64(1, 2, 3))
+    u, stats = mixed(zero, t64(1, 2, 3), 0.5, 1.0)
+    assert torch.equal(u, zero) and stats.norm_before_clip == 0.0
+    assert torch.equal(mixed(t64(1, 2, 3), t64(4, 5, 6), 0.0, 1.0)[0], t64(1, 2, 3))
 
 
-# --- clip_to_norm --------------------------------------------------------------
+def test_hog_needs_a_term_and_none_constrains_nothing():
+    with pytest.raises(ValueError, match="third-order term"):
+        constrain_sensitivity(t64(1, 0), None, 0.1, MechanismSettings("hog", 1.0, 0.0, 1.0))
+    with pytest.raises(ValueError, match="does not constrain"):
+        constrain_sensitivity(t64(1, 0), None, 0.0, MechanismSettings("none", 1.0, 0.0))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        clip_only(t64(1, math.inf), 1.0)
+
+
+# --- clipping --------------------------------------------------------------------
 
 # entries below 1e-100 become 0: their squares underflow, and a norm of ~1e-200 read as 0 is no bug
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False).map(
@@ -77,18 +99,18 @@ finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinit
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(values=st.lists(finite, min_size=1, max_size=40),
        clipping_norm=st.floats(min_value=1e-3, max_value=1e3))
-def test_clip_to_norm_properties(values, clipping_norm):
+def test_clipping_properties(values, clipping_norm):
     vector = torch.tensor(values, dtype=F64)
     true_norm = math.hypot(*values)  # no underflow for tiny entries
-    clipped, norm_before = clip_to_norm(vector, clipping_norm)
+    clipped, stats = clip_only(vector, clipping_norm)
 
-    assert norm_before == pytest.approx(true_norm, rel=1e-9, abs=1e-300)
-    clipped_norm = float(torch.linalg.vector_norm(clipped))
-    assert clipped_norm <= clipping_norm * (1 + 1e-12)
+    assert stats.norm_before_clip == pytest.approx(true_norm, rel=1e-9, abs=1e-300)
+    clipped_norm = math.hypot(*clipped.tolist())
+    assert clipped_norm <= clipping_norm  # strictly inside the ball, rounding included
     if true_norm <= clipping_norm * (1 - 1e-9):
         assert torch.equal(clipped, vector)  # under C: untouched
     else:
-        assert clipped_norm == pytest.approx(clipping_norm, rel=1e-9)  # over C: exactly on the sphere
+        assert clipped_norm == pytest.approx(clipping_norm, rel=1e-9)  # over C: on the sphere
     if true_norm > 0:
         # same direction: clipped = c · vector with 0 < c ≤ 1
         expected = vector * min(1.0, clipping_norm / true_norm)
@@ -101,11 +123,11 @@ def test_clip_to_norm_properties(values, clipping_norm):
        clipping_norm=st.floats(min_value=1e-3, max_value=1e3),
        ratio=st.one_of(st.sampled_from([0.5, 1 - 1e-6, 1 + 1e-6, 1.001, 1.01, 1.1, 2.0]),
                        st.floats(min_value=0.0, max_value=5.0)))
-def test_clip_to_norm_near_the_bound(values, clipping_norm, ratio):
+def test_clipping_near_the_bound(values, clipping_norm, ratio):
     # vectors whose norm is ratio · C, including just above and just below C
     direction = torch.tensor(values, dtype=F64) / math.hypot(*values)
     vector = direction * (ratio * clipping_norm)
-    clipped, _ = clip_to_norm(vector, clipping_norm)
+    clipped, _ = clip_only(vector, clipping_norm)
     if ratio > 1 + 1e-9:
         assert float(torch.linalg.vector_norm(clipped)) == pytest.approx(clipping_norm, rel=1e-9)
         torch.testing.assert_close(clipped, direction * clipping_norm, rtol=1e-9, atol=1e-12)
@@ -113,12 +135,77 @@ def test_clip_to_norm_near_the_bound(values, clipping_norm, ratio):
         assert torch.equal(clipped, vector)
 
 
-def test_clip_to_norm_hand_example():
-    clipped, norm = clip_to_norm(t64(3, 4), 1.0)
-    assert norm == 5.0
-    torch.testing.assert_close(clipped, t64(0.6, 0.8), rtol=0, atol=1e-15)
-    same, norm = clip_to_norm(t64(0.3, 0.4), 1.0)
-    assert norm == pytest.approx(0.5) and torch.equal(same, t64(0.3, 0.4))
+def test_clipping_hand_example():
+    clipped, stats = clip_only(t64(3, 4), 1.0)
+    assert stats.norm_before_clip == 5.0 and stats.clipped
+    torch.testing.assert_close(clipped, t64(0.6, 0.8) * CLIP_GUARD, rtol=0, atol=1e-15)  # a hair inside C
+    same, stats = clip_only(t64(0.3, 0.4), 1.0)
+    assert stats.norm_before_clip == pytest.approx(0.5) and torch.equal(same, t64(0.3, 0.4))
+
+
+extreme = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.sampled_from([3.4e38, -3.4e38, 1e19, -1e19, 1.4e-45, -1.4e-45, 1e-40, 0.0]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(update=st.lists(extreme, min_size=1, max_size=12), term=st.lists(extreme, min_size=12, max_size=12),
+       gamma=st.sampled_from([0.0, 0.5, 1.0, 1e6]), xi=st.floats(-MAX_STANDARD_NORMAL, MAX_STANDARD_NORMAL),
+       clip=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_any_finite_float32_contribution_is_finite_and_inside_the_ball(update, term, gamma, xi, clip):
+    """Huge, subnormal and zero float32 entries: the output is finite and ‖c‖ ≤ C, mixing or not."""
+    delta = torch.tensor(update, dtype=torch.float32)
+    t = torch.tensor(term[:len(update)], dtype=torch.float32)
+    for settings_ in (MechanismSettings("gaussian", clip, 1.0), MechanismSettings("hog", clip, 1.0, gamma)):
+        out, stats = constrain_sensitivity(delta, t, xi, settings_)
+        assert out.dtype == F64 and bool(torch.isfinite(out).all())
+        assert math.hypot(*out.tolist()) <= clip
+        assert not math.isnan(stats.norm_before_clip)
+
+
+# --- the lattice -------------------------------------------------------------------
+
+
+def test_lattice_granularity_is_a_power_of_two_about_2_to_the_minus_40_of_the_noise():
+    for sigma, clip in ((1.0, 1.0), (0.3, 2.0), (7.0, 0.5), (0.0, 3.0), (1e3, 1e-2)):
+        lattice = NoiseLattice.for_settings(MechanismSettings("gaussian", clip, sigma), 1000)
+        g = lattice.granularity
+        assert math.log2(g) == int(math.log2(g))
+        scale = clip * max(sigma, 1.0)
+        assert 2.0**-41 * scale < g <= 2.0**-40 * scale
+        assert lattice.rounding_slack == pytest.approx(g * math.sqrt(1000) / 2, rel=1e-15)
+        assert lattice.sum_std(MechanismSettings("gaussian", clip, sigma)) == sigma * (clip + lattice.rounding_slack)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(values=st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=30))
+def test_quantize_moves_each_entry_by_at_most_half_a_step(values):
+    lattice = NoiseLattice(2.0**-20, len(values))
+    steps = lattice.quantize(torch.tensor(values, dtype=F64))
+    assert steps.dtype == torch.int64
+    error = steps.to(F64) * lattice.granularity - torch.tensor(values, dtype=F64)
+    assert float(error.abs().max()) <= lattice.granularity / 2
+    assert float(torch.linalg.vector_norm(error)) <= lattice.rounding_slack
+
+
+def test_release_is_a_lattice_point_whatever_the_data():
+    """Mironov's attack reads x from the low bits of x + noise; here every output is g × an integer."""
+    settings_ = MechanismSettings("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
+    lattice = NoiseLattice.for_settings(settings_, 64)
+    for data in (t64(*([0.1] * 64)), t64(*([0.1 + 1e-13] * 64)), torch.linspace(-0.05, 0.05, 64, dtype=F64)):
+        out, _ = aggregate([Contribution(data)], settings_, 1, [0.0], SeededBits(9), 64, F64)
+        steps = out / lattice.granularity
+        assert torch.equal(steps, torch.round(steps))
+
+
+def test_noise_tail_delta_closed_form():
+    # 2·d·Φ(−(R − 1/σ)) with R = √(2·129·ln 2)
+    assert MAX_STANDARD_NORMAL == pytest.approx(math.sqrt(2 * 129 * math.log(2)), rel=1e-15)
+    assert noise_tail_delta(1.0, 10**6) == pytest.approx(2e6 * scipy_stats.norm.sf(MAX_STANDARD_NORMAL - 1), rel=1e-9)
+    assert noise_tail_delta(1.0, 5 * 10**6) < 1e-25  # σ = 1, a 5M-parameter model: nothing to add
+    assert noise_tail_delta(0.1, 10) == pytest.approx(20 * scipy_stats.norm.sf(MAX_STANDARD_NORMAL - 10), rel=1e-9)
+    assert noise_tail_delta(0.05, 10) == 1.0  # a shift of 20 std, beyond 13.4: the bound is vacuous, capped at 1
+    assert noise_tail_delta(0.0, 10) == 1.0
 
 
 # --- aggregate: the deterministic part ----------------------------------------
@@ -128,22 +215,26 @@ def gaussian(sigma=0.0, clip=1.0):
     return MechanismSettings(kind="gaussian", clipping_norm=clip, noise_multiplier=sigma)
 
 
+def lattice_atol(settings_, numel=2):
+    return NoiseLattice.for_settings(settings_, numel).granularity  # rounding onto the lattice, ÷ K ≥ 1
+
+
 def test_gaussian_aggregate_without_noise_hand_example():
     # u1 = (3, 4), ‖u1‖ = 5 > C = 1 → (0.6, 0.8); u2 = (0.3, 0.4) unchanged; K = 4 (not 2!)
     contributions = [Contribution(t64(3, 4), 10), Contribution(t64(0.3, 0.4), 1000)]
-    out, stats = aggregate(contributions, gaussian(), 4, [0.0, 0.0], torch.Generator(), 2, F64)
-    torch.testing.assert_close(out, t64(0.9 / 4, 1.2 / 4), rtol=0, atol=1e-15)
+    out, stats = aggregate(contributions, gaussian(), 4, [0.0, 0.0], SeededBits(0), 2, F64)
+    torch.testing.assert_close(out, t64(0.9 / 4, 1.2 / 4), rtol=0, atol=lattice_atol(gaussian()))
     assert stats.num_contributions == 2
     assert stats.fraction_clipped == 0.5
     assert stats.mean_norm_before_clip == pytest.approx(2.75)
     assert stats.noise_std == 0.0
 
 
-def test_gaussian_aggregate_ignores_num_examples_and_xis():
+def test_gaussian_aggregate_ignores_weights_and_xis():
     a = [Contribution(t64(1, 0), 1), Contribution(t64(0, 1), 1)]
     b = [Contribution(t64(1, 0), 500), Contribution(t64(0, 1), 3)]
-    out_a, _ = aggregate(a, gaussian(clip=10), 2, [0.0, 0.0], torch.Generator(), 2, F64)
-    out_b, _ = aggregate(b, gaussian(clip=10), 2, [5.0, -3.0], torch.Generator(), 2, F64)
+    out_a, _ = aggregate(a, gaussian(clip=10), 2, [0.0, 0.0], SeededBits(0), 2, F64)
+    out_b, _ = aggregate(b, gaussian(clip=10), 2, [5.0, -3.0], SeededBits(0), 2, F64)
     assert torch.equal(out_a, out_b)
     torch.testing.assert_close(out_a, t64(0.5, 0.5), rtol=0, atol=0)
 
@@ -156,9 +247,10 @@ def test_hog_aggregate_without_noise_hand_example():
         # Δ=(1,0), t=(0,-3), ξ=2 → scale 0.5·2·1/3 = 1/3 → u=(1,-1), ‖u‖=√2 ≤ 2 unchanged; ratio 1.0
         Contribution(t64(1, 0), 9, term=t64(0, -3)),
     ]
-    out, stats = aggregate(contributions, settings_, 4, [-1.2, 2.0], torch.Generator(), 2, F64)
+    out, stats = aggregate(contributions, settings_, 4, [-1.2, 2.0], SeededBits(0), 2, F64)
     r10 = math.sqrt(10)
-    torch.testing.assert_close(out, t64((6 / r10 + 1) / 4, (2 / r10 - 1) / 4), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, t64((6 / r10 + 1) / 4, (2 / r10 - 1) / 4), rtol=0,
+                               atol=lattice_atol(settings_))
     assert stats.fraction_clipped == 0.5
     assert stats.mean_norm_before_clip == pytest.approx((r10 + math.sqrt(2)) / 2, rel=1e-12)
     assert stats.mean_mixing_ratio == pytest.approx(0.8, rel=1e-12)
@@ -168,35 +260,44 @@ def test_hog_aggregate_without_noise_hand_example():
 def test_hog_uses_the_xi_given_for_each_contribution():
     settings_ = MechanismSettings(kind="hog", clipping_norm=100.0, noise_multiplier=0.0, mixing_strength=1.0)
     contributions = [Contribution(t64(1, 0), 1, term=t64(0, 1)), Contribution(t64(0, 2), 1, term=t64(1, 0))]
-    out, _ = aggregate(contributions, settings_, 1, [3.0, -0.5], torch.Generator(), 2, F64)
+    out, _ = aggregate(contributions, settings_, 1, [3.0, -0.5], SeededBits(0), 2, F64)
     # u1 = (1, 3), u2 = (-1, 2)
-    torch.testing.assert_close(out, t64(0.0, 5.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, t64(0.0, 5.0), rtol=0, atol=2 * lattice_atol(settings_))
 
 
 def test_hog_requires_terms_and_one_xi_per_contribution():
     settings_ = MechanismSettings(kind="hog", clipping_norm=1.0, noise_multiplier=0.0, mixing_strength=1.0)
     with pytest.raises(ValueError, match="third-order term"):
-        aggregate([Contribution(t64(1, 0), 1)], settings_, 1, [0.1], torch.Generator(), 2, F64)
+        aggregate([Contribution(t64(1, 0), 1)], settings_, 1, [0.1], SeededBits(0), 2, F64)
     with pytest.raises(ValueError, match="one ξ per contribution"):
-        aggregate([Contribution(t64(1, 0), 1, term=t64(0, 1))], settings_, 1, [], torch.Generator(), 2, F64)
+        aggregate([Contribution(t64(1, 0), 1, term=t64(0, 1))], settings_, 1, [], SeededBits(0), 2, F64)
 
 
-def test_none_is_example_weighted_mean_without_clipping_or_noise():
+class CountingBits:
+    """A stream that counts the words drawn from it."""
+
+    def __init__(self):
+        self.drawn, self._inner = 0, SeededBits(0)
+
+    def words(self, count):
+        self.drawn += count
+        return self._inner.words(count)
+
+
+def test_none_is_weighted_mean_without_clipping_or_noise():
     settings_ = MechanismSettings(kind="none", clipping_norm=0.1, noise_multiplier=5.0)
     contributions = [Contribution(t64(1, 2), 10), Contribution(t64(4, -1), 30)]
-    gen = torch.Generator().manual_seed(0)
-    state = gen.get_state()
-    out, stats = aggregate(contributions, settings_, 1000, [], gen, 2, F64)
+    bits = CountingBits()
+    out, stats = aggregate(contributions, settings_, 1000, [], bits, 2, F64)
     # (10·(1,2) + 30·(4,-1)) / 40 = (3.25, -0.25): norms far above C = 0.1, no clipping, no /K
     torch.testing.assert_close(out, t64(3.25, -0.25), rtol=0, atol=1e-15)
-    assert torch.equal(gen.get_state(), state)  # no noise drawn
+    assert bits.drawn == 0  # no noise drawn
     assert stats.noise_std == 0.0 and stats.fraction_clipped == 0.0
     assert stats.mean_norm_before_clip == pytest.approx((math.sqrt(5) + math.sqrt(17)) / 2)
 
 
 def test_aggregate_returns_requested_dtype():
-    out, _ = aggregate([Contribution(t64(1, 2), 1)], gaussian(clip=10), 1, [0.0], torch.Generator(), 2,
-                       torch.float32)
+    out, _ = aggregate([Contribution(t64(1, 2), 1)], gaussian(clip=10), 1, [0.0], SeededBits(0), 2, torch.float32)
     assert out.dtype == torch.float32
 
 
@@ -207,13 +308,13 @@ ALPHA = 1e-9  # probability that a correct implementation fails one of these che
 
 
 def noise_of(contributions, sigma, clip, k, seed, numel=NUMEL):
-    """The noise part of the release: output with σ minus output with σ = 0."""
+    """The noise part of the release: output with σ minus output with σ = 0 (same lattice)."""
     settings_ = MechanismSettings(kind="gaussian", clipping_norm=clip, noise_multiplier=sigma)
-    rng = PrivacyRng(seed)
     xis = [0.0] * len(contributions)
-    noisy, stats = aggregate(contributions, settings_, k, xis, rng.noise, numel, F64)
-    clean, _ = aggregate(contributions, gaussian(0.0, clip), k, xis, rng.noise, numel, F64)
-    return (noisy - clean).numpy(), stats
+    noisy, stats = aggregate(contributions, settings_, k, xis, SeededBits(seed), numel, F64)
+    lattice = NoiseLattice.for_settings(settings_, numel)
+    clean = sum(lattice.quantize(constrain_sensitivity(c.update, None, 0.0, settings_)[0]) for c in contributions)
+    return (noisy - clean.to(F64) * lattice.granularity / k).numpy(), stats
 
 
 def assert_std(samples, std):
@@ -236,28 +337,31 @@ def test_chi_square_check_rejects_wrong_std():
 
 
 @pytest.mark.parametrize("sigma, clip, k", [(2.0, 0.5, 5), (0.7, 3.0, 1), (1.0, 1.0, 40)])
-def test_noise_std_is_sigma_c_over_k(sigma, clip, k):
+def test_noise_std_is_sigma_times_sensitivity_over_k(sigma, clip, k):
     contributions = [Contribution(torch.full((NUMEL,), 0.01, dtype=F64), 1),
                      Contribution(torch.linspace(-1, 1, NUMEL, dtype=F64), 1)]
     noise, stats = noise_of(contributions, sigma, clip, k, seed=12345)
-    assert stats.noise_std == pytest.approx(sigma * clip / k, rel=1e-15)
-    assert_std(noise, sigma * clip / k)
+    lattice = NoiseLattice.for_settings(gaussian(sigma, clip), NUMEL)
+    expected = sigma * (clip + lattice.rounding_slack) / k
+    assert stats.noise_std == pytest.approx(expected, rel=1e-15)
+    assert lattice.rounding_slack < 1e-9 * clip  # the sensitivity is C to nine digits
+    assert_std(noise, expected)
     # Gaussian shape, not just the right variance
-    assert scipy_stats.kstest(noise / (sigma * clip / k), "norm").pvalue > ALPHA
+    assert scipy_stats.kstest(noise / expected, "norm").pvalue > ALPHA
 
 
 def test_empty_round_releases_pure_noise():
     settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.5, noise_multiplier=1.2)
-    out, stats = aggregate([], settings_, 8, [], PrivacyRng(7).noise, NUMEL, F64)
+    out, stats = aggregate([], settings_, 8, [], SeededBits(7), NUMEL, F64)
     assert stats.num_contributions == 0
-    assert_std(out.numpy(), 1.2 * 1.5 / 8)
+    assert_std(out.numpy(), stats.noise_std)
+    assert stats.noise_std == pytest.approx(1.2 * 1.5 / 8, rel=1e-9)
 
 
-def test_noise_is_independent_across_coordinates_and_rounds():
-    rng = PrivacyRng(99)
+def test_noise_is_independent_across_coordinates_and_streams():
     settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.0, noise_multiplier=1.0)
-    first, _ = aggregate([], settings_, 1, [], rng.noise, NUMEL, F64)
-    second, _ = aggregate([], settings_, 1, [], rng.noise, NUMEL, F64)
+    first, _ = aggregate([], settings_, 1, [], SeededBits(99, (1, 2)), NUMEL, F64)
+    second, _ = aggregate([], settings_, 1, [], SeededBits(99, (2, 2)), NUMEL, F64)
     # correlation of two independent N(0,1) vectors: ~N(0, 1/n)
     corr = float(torch.dot(first, second)) / NUMEL
     assert abs(corr) * math.sqrt(NUMEL) < scipy_stats.norm.isf(ALPHA / 2)
@@ -265,7 +369,7 @@ def test_noise_is_independent_across_coordinates_and_rounds():
     assert abs(lag) * math.sqrt(NUMEL - 1) < scipy_stats.norm.isf(ALPHA / 2)
 
 
-def test_noise_comes_only_from_the_dedicated_generator():
+def test_noise_comes_only_from_the_stream_given():
     settings_ = MechanismSettings(kind="hog", clipping_norm=1.0, noise_multiplier=1.0, mixing_strength=0.5)
     contributions = [Contribution(t64(1, 2, 3), 1, term=t64(0, 1, 0))]
 
@@ -273,8 +377,7 @@ def test_noise_comes_only_from_the_dedicated_generator():
         torch.manual_seed(global_seed)
         np.random.seed(global_seed)
         torch_state, numpy_state = torch.get_rng_state(), np.random.get_state()
-        rng = PrivacyRng(privacy_seed)
-        out, _ = aggregate(contributions, settings_, 2, rng.standard_normals(1), rng.noise, 3, F64)
+        out, _ = aggregate(contributions, settings_, 2, [0.3], SeededBits(privacy_seed), 3, F64)
         # the global generators were neither read nor advanced
         assert torch.equal(torch.get_rng_state(), torch_state)
         after = np.random.get_state()
@@ -288,39 +391,16 @@ def test_noise_comes_only_from_the_dedicated_generator():
     assert not torch.equal(run(privacy_seed=6, global_seed=0), reference)  # privacy seed matters
 
 
-def test_privacy_rng_state_round_trip_reproduces_noise_and_xis():
-    rng = PrivacyRng(2024)
-    rng.standard_normals(3)
-    state = rng.state_dict()
-    expected = (rng.standard_normals(4), torch.randn(5, generator=rng.noise), rng.sampling.random(3))
-    other = PrivacyRng(1)
-    other.load_state_dict(state)
-    got = (other.standard_normals(4), torch.randn(5, generator=other.noise), other.sampling.random(3))
-    assert got[0] == expected[0]
-    assert torch.equal(got[1], expected[1])
-    assert np.array_equal(got[2], expected[2])
-
-
-def test_unseeded_privacy_rngs_differ():
-    a, b = PrivacyRng(), PrivacyRng()
-    assert not a.seed_is_fixed and PrivacyRng(0).seed_is_fixed
-    assert a.standard_normals(4) != b.standard_normals(4)
-
-
 def test_stats_hand_example_with_noise():
     # three contributions, norms 5, 1, 0.5 with C = 1 → clipped fraction 1/3 (norm == C is not clipped)
     contributions = [Contribution(t64(3, 4), 1), Contribution(t64(0, 1), 1), Contribution(t64(0.5, 0), 1)]
     settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.0, noise_multiplier=0.8)
-    _, stats = aggregate(contributions, settings_, 10, [0.0] * 3, PrivacyRng(0).noise, 2, F64)
+    _, stats = aggregate(contributions, settings_, 10, [0.0] * 3, SeededBits(0), 2, F64)
     assert stats.fraction_clipped == pytest.approx(1 / 3)
-    assert stats.noise_std == pytest.approx(0.8 * 1.0 / 10)
+    assert stats.noise_std == pytest.approx(0.8 * 1.0 / 10, rel=1e-9)
     assert stats.mean_norm_before_clip == pytest.approx((5 + 1 + 0.5) / 3)
     assert math.isnan(stats.mean_mixing_ratio)  # no mixing for gaussian
 
 
-def test_drawing_xi_does_not_shift_the_noise():
-    """ξ has its own stream: a hog run and a gaussian run with one privacy seed get the same noise."""
-    with_mixing, without = PrivacyRng(3), PrivacyRng(3)
-    with_mixing.standard_normals(5)
-    assert torch.equal(torch.randn(4, generator=with_mixing.noise), torch.randn(4, generator=without.noise))
-    assert without.standard_normals(5)[:2] != with_mixing.standard_normals(2)  # the ξ stream had advanced by 5
+def test_clip_guard_is_a_hair_inside_c():
+    assert 1 - 1e-11 < CLIP_GUARD < 1

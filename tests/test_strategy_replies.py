@@ -12,8 +12,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.mechanism import MechanismSettings
-from fedhog.privacy.rng import PrivacyRng
+from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice, rounded_gaussian
+from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, standard_normal
 from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
 
 # node ids are deliberately not in partition order
@@ -51,7 +51,7 @@ def make_aggregator(kind="gaussian", sigma=0.0, clip=1.0, gamma=0.0, population=
     mechanism = MechanismSettings(kind, clip, sigma, gamma)
     accountant = ClientLevelAccountant(sigma, sampling, rate, population, 1e-5 / population,
                                        has_guarantee=mechanism.has_guarantee)
-    aggregator = SecureAggregator(mechanism, accountant, PrivacyRng(seed), sampling, rate, eta)
+    aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(seed), sampling, rate, eta)
     aggregator.slot_of_node = {node: partition for partition, node in enumerate(NODES[:population])}
     messages = list(aggregator.configure_train(1, as_record(GLOBAL_FLAT), ConfigRecord(), grid=None))
     return aggregator, {m.metadata.dst_node_id: m for m in messages}
@@ -240,16 +240,25 @@ def test_poisson_round_divides_by_expected_cohort():
     assert_round(aggregator, result, len(sent), {}, expected_global(used, 1.0, 4, 1.0))
 
 
-def test_noise_is_sigma_c_over_k_from_the_dedicated_generator():
+def round_noise(seed, server_round, sigma, clip):
+    """The noise round ``server_round`` adds to the sum with this fixed privacy seed (stream 2: noise)."""
+    settings_ = MechanismSettings("gaussian", clip, sigma)
+    lattice = NoiseLattice.for_settings(settings_, NUMEL)
+    steps = rounded_gaussian(SeededBits(seed, (server_round, 2)), NUMEL, lattice.sum_std(settings_), lattice.granularity)
+    return steps.numpy() * lattice.granularity
+
+
+def test_noise_is_sigma_c_over_k_from_the_rounds_stream():
     sigma, clip, eta, seed = 0.7, 0.5, 0.8, 11
     aggregator, sent = make_aggregator(sigma=sigma, clip=clip, eta=eta, seed=seed)
     torch.manual_seed(0)
     result = aggregator.aggregate_train(1, [reply(sent[NODES[0]], U0), reply(sent[NODES[1]], U1)])
-    # a fresh generator with the same seed gives the very noise that was added, once, with std σC/K
-    noise = torch.randn(NUMEL, generator=PrivacyRng(seed).noise, dtype=torch.float64).numpy() * sigma * clip
+    # the round's seeded noise stream gives the very noise that was added, once, with std σC/K
+    noise = round_noise(seed, 1, sigma, clip)
+    assert np.std(noise) > 0.1 * sigma * clip
     expected = GLOBAL_FLAT + eta * ((clipped(U0, clip) + clipped(U1, clip) + noise) / 4).astype(np.float32)
     assert_round(aggregator, result, 2, {}, expected)
-    assert aggregator.current.noise_std == pytest.approx(sigma * clip / 4)
+    assert aggregator.current.noise_std == pytest.approx(sigma * clip / 4, rel=1e-9)
     assert 0 < result[1]["epsilon"] < math.inf
 
 
@@ -262,9 +271,14 @@ T1 = np.linspace(1, 2, NUMEL)
 T2 = np.zeros(NUMEL)
 
 
-def test_hog_round_uses_xi_in_partition_order_whatever_the_arrival_order():
+def slot_xis(seed, population, server_round=1):
+    """ξ of every slot of the population in a round (stream 1: mixing)."""
+    return standard_normal(SeededBits(seed, (server_round, 1)), population)
+
+
+def test_hog_round_uses_xi_of_each_slot_whatever_the_arrival_order():
     gamma, clip, seed = 0.5, 1.0, 5
-    xis = PrivacyRng(seed).standard_normals(3)  # the ξ stream of this seed
+    xis = slot_xis(seed, 4)[:3]  # slots 0, 1, 2
     expected_updates = []
     for u, t, xi in zip([U0, U1, U2], [T0, T1, T2], xis):
         tn = np.linalg.norm(t)
@@ -292,7 +306,7 @@ def test_hog_rejects_missing_failed_or_malformed_terms():
                                            "metrics": MetricRecord({"num-examples": 1, "train-loss": 0.2})}),
     ]
     result = aggregator.aggregate_train(1, replies)
-    xi = PrivacyRng(0).standard_normals(1)[0]
+    xi = slot_xis(0, 6)[0]
     mixed = U0 + 0.5 * xi * np.linalg.norm(U0) / np.linalg.norm(T0) * T0
     assert_round(aggregator, result, 1,
                  {"malformed": 1, NON_FINITE_TERM: 1, "non-finite values": 1, "wrong dtype": 1},

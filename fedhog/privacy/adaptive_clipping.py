@@ -42,8 +42,11 @@ multiplier σ/2, which is what :func:`~fedhog.privacy.accounting.accountant_nois
 already composes. Adapting C costs no privacy beyond this: C_t+1 is a
 function of released values only.
 
-The count noise comes from the dedicated generator passed in (the mechanism's
-``PrivacyRng.noise``), never from a global RNG.
+The count noise comes from the round's noise stream
+(:mod:`fedhog.privacy.randomness`), never from a global RNG, and lives on a
+lattice as the update's noise does (:mod:`fedhog.privacy.mechanism`): the
+centred sum is a multiple of ½, the noise an integer multiple of a power of
+two g ≤ ½, so b̃·K − ½K is a lattice point whatever the norms were.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
+from .mechanism import LATTICE_BITS, rounded_gaussian
+from .randomness import RandomBits
 
 # Andrew et al. use σ_b = K/20 in their experiments: the count then costs little
 # (σ_Δ ≈ σ unless σ approaches K/10) and b̃ has noise std 0.05.
@@ -185,7 +189,7 @@ class AdaptiveClipping:
                 f"σ_Δ={self.update_noise_multiplier:.6g})")
 
     def step(
-        self, norms_before_clip: Sequence[float], expected_cohort: float, generator: torch.Generator
+        self, norms_before_clip: Sequence[float], expected_cohort: float, bits: RandomBits
     ) -> ClippingStep:
         """Release b̃ for this round's contributions and move C to C_t+1.
 
@@ -196,21 +200,23 @@ class AdaptiveClipping:
             round, measured before clipping to the current C (may be empty).
         expected_cohort : float
             K, the same fixed denominator as the averaged update.
-        generator : torch.Generator
-            The dedicated noise generator; exactly one N(0, 1) is drawn per
-            call (also when σ_b = 0), so later draws do not depend on σ_b.
+        bits : RandomBits
+            The round's noise stream; exactly one N(0, 1) is drawn per call
+            (also when σ_b = 0), so later draws do not depend on σ_b.
         """
         _require_positive_finite("expected_cohort", expected_cohort)
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator={generator!r} must be a torch.Generator (the dedicated noise generator)")
+        if not callable(getattr(bits, "words", None)):
+            raise TypeError(f"bits={bits!r} must be a RandomBits stream (fedhog.privacy.randomness)")
         norms = [float(n) for n in norms_before_clip]
         bad = [n for n in norms if math.isnan(n) or n < 0]
         if bad:
             raise ValueError(f"norms_before_clip holds {bad[0]!r}; norms must be ≥ 0 and not NaN")
         current = self.clipping_norm
         centred_sum = sum(0.5 if n <= current else -0.5 for n in norms)
-        standard_normal = float(torch.randn(1, generator=generator, dtype=torch.float64)[0])
-        noisy_fraction = (centred_sum + self.settings.count_noise_std * standard_normal) / expected_cohort + 0.5
+        sigma_b = self.settings.count_noise_std
+        granularity = 2.0 ** (math.floor(math.log2(max(sigma_b, 1.0))) - LATTICE_BITS)  # divides ½
+        noise = float(rounded_gaussian(bits, 1, sigma_b, granularity)[0]) * granularity
+        noisy_fraction = (centred_sum + noise) / expected_cohort + 0.5
         clamped = min(1.0, max(0.0, noisy_fraction))
         next_norm = current * math.exp(-self.settings.learning_rate * (clamped - self.settings.target_quantile))
         self.clipping_norm = next_norm

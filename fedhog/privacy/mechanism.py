@@ -1,17 +1,38 @@
 """The higher-order mixing and the Gaussian mechanism on clipped contributions.
 
-Vocabulary (one name per concept, as in the README):
-update Δ_i, third-order term t_i, mixing strength γ, clipping norm C,
-noise multiplier σ, expected cohort size K.
+Vocabulary (one name per concept, as in the README): update Δ_i, third-order
+term t_i, mixing strength γ, clipping norm C, noise multiplier σ, expected
+cohort size K, model dimension d.
 
-For ``hog`` and ``gaussian`` the released aggregate is::
+The mechanism is split as Apple's pfl-research splits one, so that the same
+code can run per contribution wherever that happens (the trusted server
+today, clients under secure aggregation) and on the aggregate:
 
-    u_i  = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian)
-    ū    = (Σ_i clip_C(u_i) + N(0, σ² C² I)) / K
+1. :func:`constrain_sensitivity`, per contribution, in float64::
 
-The privacy guarantee is that of the Gaussian mechanism on the clipped sum:
-clipping bounds every client's contribution to C whatever u_i holds, and the
-noise is calibrated to that bound. The mixing term adds no privacy of its own.
+       u_i = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian)
+       c_i = clip_C(u_i)                                  ‖c_i‖ ≤ C for any finite input
+
+2. :class:`NoiseLattice`: c_i is rounded onto the lattice g·ℤ^d (g a power of
+   two, about 2⁻⁴⁰ of the noise std) and the integers are summed exactly::
+
+       S = Σ_i round(c_i / g)        one contribution moves g·S by ≤ C + g√d/2
+
+3. :func:`add_noise`, on the aggregate: integer noise n_j = round(Z_j · s / g),
+   Z_j ~ N(0, 1) from :mod:`fedhog.privacy.randomness`, s = σ · (C + g√d/2)::
+
+       ū = g · (S + n) / K
+
+The privacy guarantee is that of the Gaussian mechanism on the lattice sum:
+round(S + Z·s/g) = S + round(Z·s/g) is post-processing of S + Z·s/g, whose
+sensitivity (C + g√d/2)/g is covered by the noise s/g = σ × that, so the
+accountant composes σ exactly. Because S is an integer vector and the noise
+is an integer vector, the release carries no floating-point residue of the
+data: the attack of Mironov (CCS 2012) on textbook floating-point noise reads
+the low-order bits of x + noise, which here are those of a lattice point
+whatever x was. Google's differential-privacy library does the same (inputs
+rounded to a power-of-two granularity, noise a multiple of it). The mixing
+term adds no privacy of its own.
 """
 
 from __future__ import annotations
@@ -21,9 +42,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from scipy.special import ndtr
+
+from .randomness import MAX_STANDARD_NORMAL, RandomBits, standard_normal
 
 MechanismKind = Literal["none", "gaussian", "hog"]
 MECHANISMS: tuple[str, ...] = ("none", "gaussian", "hog")
+
+LATTICE_BITS = 40  # g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): ~2^7 float64 values of the noise per lattice cell
+CLIP_GUARD = 1 - 2.0**-40  # clip a hair inside C, so that float64 rounding of the norm cannot exceed C
+MAX_TAIL_DELTA_SHARE = 0.01  # the sampler's truncation may add at most this share of δ
+MAX_CONTRIBUTIONS = 2**21  # |round(c_i / g)| ≤ 2^41 each: the int64 sum of this many cannot overflow
 
 
 @dataclass(frozen=True)
@@ -38,7 +67,7 @@ class MechanismSettings:
     clipping_norm : float
         C, the L2 bound on each mixed contribution.
     noise_multiplier : float
-        σ; the noise added to the sum has standard deviation σ·C.
+        σ; the noise added to the sum has standard deviation σ·(C + g√d/2).
     mixing_strength : float
         γ; ignored unless ``kind == "hog"``.
     """
@@ -56,11 +85,24 @@ class MechanismSettings:
 
 @dataclass(frozen=True)
 class Contribution:
-    """One accepted client reply, flattened to 1-D float tensors."""
+    """One accepted client reply, flattened to 1-D float tensors.
+
+    ``weight`` is the client's FedAvg weight under ``none`` (its number of
+    examples, or 1 where counts are not sent); DP mechanisms ignore it.
+    """
 
     update: torch.Tensor
-    num_examples: int
+    weight: float = 1.0
     term: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ContributionStats:
+    """What :func:`constrain_sensitivity` saw of one contribution (private: operator diagnostics)."""
+
+    norm_before_clip: float  # ‖u_i‖ (inf if it exceeds float64; then it is clipped)
+    clipped: bool  # ‖u_i‖ > C
+    mixing_ratio: float  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0 for a zero term or update; NaN without mixing)
 
 
 @dataclass(frozen=True)
@@ -75,34 +117,146 @@ class AggregateStats:
     norms_before_clip: tuple[float, ...] = ()  # ‖u_i‖ before clipping: private, for adaptive clipping only
 
 
-def mix_third_order(
-    update: torch.Tensor, term: torch.Tensor, mixing_strength: float, xi: float
-) -> torch.Tensor:
-    """Return u = Δ + γ · ξ · (‖Δ‖ / ‖t‖) · t.
+def _largest_entry(vector: torch.Tensor) -> float:
+    return float(vector.abs().max()) if vector.numel() else 0.0
 
-    A zero term (‖t‖ = 0) carries no direction, so u = Δ.
+
+def stable_norm(vector: torch.Tensor) -> float:
+    """The L2 norm in float64 without overflow or underflow (scaled by the largest entry).
+
+    Returns ``inf`` or ``nan`` when the vector holds them, and ``inf`` when the
+    norm itself exceeds the float64 range.
     """
-    term_norm = torch.linalg.vector_norm(term)
-    if term_norm == 0:
-        return update.clone()
-    scale = mixing_strength * xi * torch.linalg.vector_norm(update) / term_norm
-    return update + scale * term
+    vector = vector.to(torch.float64)
+    largest = _largest_entry(vector)
+    if largest == 0.0 or not math.isfinite(largest):
+        return largest
+    return largest * float(torch.linalg.vector_norm(vector / largest))
 
 
-def clip_to_norm(vector: torch.Tensor, clipping_norm: float) -> tuple[torch.Tensor, float]:
-    """Scale ``vector`` down to L2 norm at most C; return it and its norm before."""
-    norm = float(torch.linalg.vector_norm(vector))
-    if norm <= clipping_norm:
-        return vector.clone(), norm
-    return vector * (clipping_norm / norm), norm
+def unit_vector(vector: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``vector / ‖vector‖`` in float64 (zeros for a zero vector) and the norm, without overflow."""
+    vector = vector.to(torch.float64)
+    largest = _largest_entry(vector)
+    if not math.isfinite(largest):
+        raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
+    if largest == 0.0:
+        return torch.zeros_like(vector), 0.0
+    scaled = vector / largest  # entries in [-1, 1]
+    relative = float(torch.linalg.vector_norm(scaled))  # in [1, √d]
+    return scaled / relative, largest * relative
 
 
-def gaussian_noise(
-    numel: int, std: float, generator: torch.Generator, dtype: torch.dtype
-) -> torch.Tensor:
-    """Draw N(0, std² I) of length ``numel`` from a dedicated generator."""
-    noise = torch.randn(numel, generator=generator, dtype=torch.float64)
-    return (noise * std).to(dtype)
+def constrain_sensitivity(
+    update: torch.Tensor, term: torch.Tensor | None, xi: float, settings: MechanismSettings
+) -> tuple[torch.Tensor, ContributionStats]:
+    """Mix (``hog``) and clip one contribution: return c = clip_C(u) in float64 and what was seen.
+
+    u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when
+    ‖u‖ ≤ C, else w scaled to norm C: no intermediate exceeds ‖Δ‖ or |γξ|, so
+    c is finite and ‖c‖ < C for every finite Δ and t (subnormal, huge or
+    zero). The bound is applied a hair inside C (:data:`CLIP_GUARD`) so that
+    rounding in the norm cannot take c past C. A zero term carries no
+    direction (u = Δ).
+
+    Raises
+    ------
+    ValueError
+        If Δ or t is not finite (replies must be checked before), or ``hog``
+        gets no term.
+    """
+    if settings.kind == "none":
+        raise ValueError("mechanism 'none' does not constrain contributions")
+    update = update.to(torch.float64, copy=True)
+    direction, update_norm = unit_vector(update)
+    mixing_ratio, mixed = math.nan, False
+    if settings.kind == "hog":
+        if term is None:
+            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+        term_direction, term_norm = unit_vector(term)
+        coefficient = settings.mixing_strength * xi
+        mixed = term_norm > 0 and update_norm > 0 and coefficient != 0
+        mixing_ratio = abs(coefficient) if mixed else 0.0
+        if mixed:
+            direction = direction + coefficient * term_direction
+    relative_norm = stable_norm(direction) if mixed else 1.0  # ‖u‖ / ‖Δ‖
+    norm_before_clip = update_norm * relative_norm
+    stats = ContributionStats(norm_before_clip, norm_before_clip > settings.clipping_norm, mixing_ratio)
+    bound = settings.clipping_norm * CLIP_GUARD
+    if norm_before_clip <= bound:
+        return (direction * update_norm if mixed else update), stats
+    return direction * (bound / relative_norm), stats
+
+
+@dataclass(frozen=True)
+class NoiseLattice:
+    """The lattice g·ℤ^d that contributions are rounded onto and the noise lives on.
+
+    Parameters
+    ----------
+    granularity : float
+        g, a power of two.
+    dimension : int
+        d, the length of the flat model vector.
+    """
+
+    granularity: float
+    dimension: int
+
+    @classmethod
+    def for_settings(cls, settings: MechanismSettings, dimension: int) -> "NoiseLattice":
+        """g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): fine against the noise, coarse against float64 spacing."""
+        scale = settings.clipping_norm * max(settings.noise_multiplier, 1.0)
+        return cls(2.0 ** (math.floor(math.log2(scale)) - LATTICE_BITS), dimension)
+
+    @property
+    def rounding_slack(self) -> float:
+        """g√d/2: how far rounding onto the lattice can move one contribution (L2)."""
+        return self.granularity * math.sqrt(self.dimension) / 2
+
+    def quantize(self, vector: torch.Tensor) -> torch.Tensor:
+        """round(vector / g) as int64 (|entries| ≤ C/g ≤ 2^41 for a clipped contribution)."""
+        return torch.round(vector.to(torch.float64) / self.granularity).to(torch.int64)
+
+    def sum_std(self, settings: MechanismSettings) -> float:
+        """s = σ·(C + g√d/2): the noise std on the sum, calibrated to its sensitivity."""
+        return settings.noise_multiplier * (settings.clipping_norm + self.rounding_slack)
+
+
+def add_noise(
+    lattice_sum: torch.Tensor, settings: MechanismSettings, lattice: NoiseLattice, bits: RandomBits
+) -> tuple[torch.Tensor, float]:
+    """g·(S + n), n_j = round(Z_j·s/g), in float64; and s, the noise std on the sum.
+
+    ``lattice_sum`` is S (int64). The noise is drawn even for an empty round:
+    then the noise alone is released.
+    """
+    std = lattice.sum_std(settings)
+    if std == 0.0:
+        return lattice_sum.to(torch.float64) * lattice.granularity, 0.0
+    steps = rounded_gaussian(bits, lattice.dimension, std, lattice.granularity)
+    return (lattice_sum + steps).to(torch.float64).mul_(lattice.granularity), std
+
+
+def rounded_gaussian(bits: RandomBits, count: int, std: float, granularity: float) -> torch.Tensor:
+    """round(Z·std/g) for ``count`` independent Z ~ N(0, 1): Gaussian noise in lattice steps (int64)."""
+    return torch.from_numpy(standard_normal(bits, count)).mul_(std / granularity).round_().to(torch.int64)
+
+
+def noise_tail_delta(accountant_noise_multiplier: float, dimension: int, releases: int = 1) -> float:
+    """A bound on the δ that ``releases`` releases add because the normals stop at :data:`MAX_STANDARD_NORMAL`.
+
+    The noise is a Gaussian truncated at R = 13.37 standard deviations. A
+    neighbour shifts each coordinate by at most 1/σ standard deviations (σ the
+    accountant's multiplier, sensitivity-normalised), so the outputs one
+    dataset can produce and the other cannot have probability at most
+    2·d·Φ(−(R − 1/σ)) per release; elsewhere the privacy loss is the Gaussian's.
+    Runs refuse a σ for which this exceeds :data:`MAX_TAIL_DELTA_SHARE` of δ.
+    """
+    if accountant_noise_multiplier <= 0:
+        return 1.0
+    per_release = 2 * dimension * float(ndtr(-(MAX_STANDARD_NORMAL - 1 / accountant_noise_multiplier)))
+    return min(1.0, releases * per_release)
 
 
 def aggregate(
@@ -110,11 +264,11 @@ def aggregate(
     settings: MechanismSettings,
     expected_cohort: float,
     xis: list[float],
-    generator: torch.Generator,
+    bits: RandomBits,
     numel: int,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, AggregateStats]:
-    """Aggregate one round's contributions into the averaged update.
+    """The trusted server's round: constrain every contribution, sum on the lattice, add noise, divide by K.
 
     Parameters
     ----------
@@ -127,8 +281,8 @@ def aggregate(
         cohort size for fixed-size sampling). Unused for ``none``.
     xis : list[float]
         ξ_i ~ N(0, 1), one per contribution, drawn by the server.
-    generator : torch.Generator
-        The dedicated source of the Gaussian noise.
+    bits : RandomBits
+        The round's noise stream.
     numel, dtype
         Size and dtype of the flat model vector.
     """
@@ -136,43 +290,36 @@ def aggregate(
         return _federated_average(contributions, numel, dtype)
     if len(xis) != len(contributions):
         raise ValueError(f"need one ξ per contribution, got {len(xis)} for {len(contributions)}")
-    total = torch.zeros(numel, dtype=torch.float64)
-    norms, ratios = [], []
+    if len(contributions) > MAX_CONTRIBUTIONS:
+        raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
+    lattice = NoiseLattice.for_settings(settings, numel)
+    total = torch.zeros(numel, dtype=torch.int64)
+    seen = []
     for contribution, xi in zip(contributions, xis):
-        mixed = contribution.update
-        if settings.kind == "hog":
-            if contribution.term is None:
-                raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
-            mixed = mix_third_order(contribution.update, contribution.term, settings.mixing_strength, xi)
-            update_norm = float(torch.linalg.vector_norm(contribution.update))
-            if update_norm > 0:
-                ratios.append(float(torch.linalg.vector_norm(mixed - contribution.update)) / update_norm)
-        clipped, norm = clip_to_norm(mixed, settings.clipping_norm)
-        norms.append(norm)
-        total += clipped.to(torch.float64)
-    sum_std = settings.noise_multiplier * settings.clipping_norm
-    if sum_std > 0:
-        total += gaussian_noise(numel, sum_std, generator, torch.float64)
+        clipped, stats = constrain_sensitivity(contribution.update, contribution.term, xi, settings)
+        total += lattice.quantize(clipped)
+        seen.append(stats)
+    noisy_sum, sum_std = add_noise(total, settings, lattice, bits)
     stats = AggregateStats(
         num_contributions=len(contributions),
-        mean_norm_before_clip=_mean(norms),
-        fraction_clipped=_mean([float(n > settings.clipping_norm) for n in norms]),
+        mean_norm_before_clip=_mean([s.norm_before_clip for s in seen]),
+        fraction_clipped=_mean([float(s.clipped) for s in seen]),
         noise_std=sum_std / expected_cohort,
-        mean_mixing_ratio=_mean(ratios),
-        norms_before_clip=tuple(norms),
+        mean_mixing_ratio=_mean([s.mixing_ratio for s in seen if not math.isnan(s.mixing_ratio)]),
+        norms_before_clip=tuple(s.norm_before_clip for s in seen),
     )
-    return (total / expected_cohort).to(dtype), stats
+    return (noisy_sum / expected_cohort).to(dtype), stats
 
 
 def _federated_average(
     contributions: list[Contribution], numel: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, AggregateStats]:
-    """Example-weighted mean of the updates (FedAvg), no privacy."""
+    """Weighted mean of the updates (FedAvg), no privacy."""
     total = torch.zeros(numel, dtype=torch.float64)
-    weight = sum(c.num_examples for c in contributions)
+    weight = sum(c.weight for c in contributions)
     for contribution in contributions:
-        total += contribution.update.to(torch.float64) * contribution.num_examples
-    norms = [float(torch.linalg.vector_norm(c.update)) for c in contributions]
+        total += contribution.update.to(torch.float64) * contribution.weight
+    norms = [stable_norm(c.update) for c in contributions]
     stats = AggregateStats(len(contributions), _mean(norms), 0.0, 0.0, math.nan)
     return (total / weight if weight > 0 else total).to(dtype), stats
 

@@ -1,0 +1,24 @@
+"""What the server sends a client and what a client replies: the keys both sides use.
+
+A train instruction carries the global model under ``"arrays"`` and a
+ConfigRecord under ``"config"`` with :data:`SERVER_ROUND` and :data:`JOB_ID`.
+A reply carries the update Δ under :data:`UPDATE`, with ``hog`` the
+third-order term under :data:`TERM` (both keyed like the global model), and a
+MetricRecord under :data:`METRICS`. Under DP-SGD the reply carries no record
+counts (:data:`NUM_EXAMPLES`, local step counts): the record-level ε does not
+cover them, so the server weighs such clients equally.
+"""
+
+# records of a train reply
+UPDATE = "update"
+TERM = "third-order-term"
+METRICS = "metrics"
+
+# the train instruction's config
+SERVER_ROUND = "server-round"
+JOB_ID = "job-id"  # the training job's name, the same across resumes
+
+# metrics of a reply
+PARTITION_ID = "partition-id"
+NUM_EXAMPLES = "num-examples"
+THIRD_ORDER_FINITE = "third-order-finite"
