@@ -6,22 +6,23 @@ Thin by design: the work is in :mod:`fedhog.training` and
 
 from __future__ import annotations
 
-import json
 import time
 from functools import lru_cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from . import protocol
+from .client_state import accountant_path, load_accountant_state, save_accountant_state, state_dir
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
-from .dpsgd import train_dpsgd
+from .dpsgd import RecordPrivacy, train_dpsgd
 from .models import build_model
 from .monitoring import measure_peak_memory
+from .privacy.randomness import client_bits
 from .training import (
     direction_seed,
     evaluate,
@@ -32,7 +33,6 @@ from .training import (
 )
 
 app = ClientApp()
-DPSGD_STATE = "dpsgd"  # context.state key: this node's Opacus accountant, carried across rounds
 
 
 @lru_cache(maxsize=8)
@@ -71,33 +71,28 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(global_state)
     global_state = {k: v.to(device) for k, v in global_state.items()}
 
-    dpsgd = config.client_dp == "dpsgd"
-    if dpsgd:  # this node's record-level accountant lives in its context state across rounds
-        saved = context.state[DPSGD_STATE]["accountant-state"] if DPSGD_STATE in context.state else None
-        local, privacy = train_dpsgd(model, train_data, config.local_epochs, config.batch_size,
-                                     config.learning_rate, config.momentum, seed, config.dpsgd_settings,
-                                     json.loads(saved) if saved else None)
-        context.state[DPSGD_STATE] = ConfigRecord({"accountant-state": json.dumps(privacy.accountant_state)})
-    else:
-        local = train_locally(model, train_data, config.local_epochs, config.batch_size,
-                              config.learning_rate, config.momentum, seed, config.optimizer)
+    if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
+        privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
+        update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
+        return Message(RecordDict({
+            protocol.UPDATE: ArrayRecord(_to_cpu(update)),
+            protocol.METRICS: MetricRecord({protocol.PARTITION_ID: partition_id, "dpsgd-epsilon": privacy.epsilon}),
+        }), reply_to=msg)
+    local = train_locally(model, train_data, config.local_epochs, config.batch_size,
+                          config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
     if config.aggregator == "flower-dp":
         return _reply_to_flower_dp(msg, global_state, update, config.server_learning_rate, local.mean_loss)
-    # raw-record statistics are not sent under DP-SGD, so they are not computed either
-    validation_accuracy = -1.0 if dpsgd else _finite_or(evaluate(model, validation_data)[1], -1.0)
 
     records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(update))})
     metrics: dict[str, float | int] = {
         protocol.PARTITION_ID: partition_id,
         protocol.NUM_EXAMPLES: len(train_data),
-        "train-loss": -1.0 if dpsgd else _finite_or(local.mean_loss, -1.0),
+        "train-loss": _finite_or(local.mean_loss, -1.0),
         "local-steps": local.steps,
         "hog-step-cubic-steps": local.cubic_steps,
-        "validation-accuracy": validation_accuracy,
+        "validation-accuracy": _finite_or(evaluate(model, validation_data)[1], -1.0),
     }
-    if dpsgd:
-        metrics.update({"dpsgd-epsilon": privacy.epsilon, "dpsgd-steps": privacy.steps})
     if config.mechanism == "hog":
         model.load_state_dict(global_state)
         with measure_peak_memory(device) as peak:
@@ -107,6 +102,22 @@ def train(msg: Message, context: Context) -> Message:
             records[protocol.TERM] = ArrayRecord(_to_cpu(term))
     records[protocol.METRICS] = MetricRecord(metrics)
     return Message(records, reply_to=msg)
+
+
+def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig, msg: Message,
+                      context: Context, partition_id: int, server_round: int) -> RecordPrivacy:
+    """DP-SGD with this client's own randomness; its accountant is read from and written to its disk.
+
+    Noise and batches come from OS entropy unless ``privacy-seed`` ≥ 0. The
+    accountant file is named by the server's job id (see :mod:`fedhog.client_state`).
+    """
+    path = accountant_path(state_dir(context.node_config), msg.content["config"].get(protocol.JOB_ID),
+                           partition_id)
+    bits = client_bits(None if config.privacy_seed < 0 else config.privacy_seed, server_round, partition_id)
+    _, privacy = train_dpsgd(model, data, config.local_epochs, config.batch_size, config.learning_rate,
+                             config.momentum, bits, config.dpsgd_settings, load_accountant_state(path))
+    save_accountant_state(path, privacy.accountant_state)
+    return privacy
 
 
 def _reply_to_flower_dp(msg: Message, global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor],

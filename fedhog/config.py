@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .data import PARTITIONERS, DataSpec, validate_spec
-from .dpsgd import DPSGD_ACCOUNTANTS, DpSgdSettings
+from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
 from .models import MODELS
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
@@ -85,6 +85,7 @@ class RunConfig:
     dpsgd_max_grad_norm: float = 1.0
     dpsgd_delta: float = 1e-5
     dpsgd_accountant: str = "prv"
+    dpsgd_noise: str = "fedhog"
     # reproducibility and output
     seed: int = 0
     privacy_seed: int = -1
@@ -154,9 +155,9 @@ class RunConfig:
 
     @property
     def dpsgd_settings(self) -> DpSgdSettings:
-        """Sample-level DP-SGD on the clients (used when ``client-dp = "dpsgd"``)."""
+        """Record-level DP-SGD on the clients (used when ``client-dp = "dpsgd"``)."""
         return DpSgdSettings(self.dpsgd_noise_multiplier, self.dpsgd_max_grad_norm,
-                             self.dpsgd_delta, self.dpsgd_accountant)
+                             self.dpsgd_delta, self.dpsgd_accountant, self.dpsgd_noise)
 
     @property
     def expected_cohort(self) -> int:
@@ -178,6 +179,7 @@ class RunConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("client-dp", self.client_dp, CLIENT_DP)
         _choice("dpsgd-accountant", self.dpsgd_accountant, DPSGD_ACCOUNTANTS)
+        _choice("dpsgd-noise", self.dpsgd_noise, DPSGD_NOISE)
         try:
             self.dpsgd_settings
         except ValueError as error:  # "dpsgd: max_grad_norm=0.0 ..." names the field: name the config key

@@ -1,30 +1,47 @@
-"""Sample-level DP: local DP-SGD with Opacus (``client-dp = dpsgd``).
+"""Record-level DP: local DP-SGD with Opacus (``client-dp = dpsgd``).
 
 fedhog's SecureAggregator protects whole clients: neighbouring datasets differ
 in all the records of one client. DP-SGD protects each record of a client:
 neighbouring datasets differ in one record of that client's training data. It
 runs on the client, so every client accounts its own ε, over all the rounds it
-trained in.
+trained in (:mod:`fedhog.client_state` keeps that history on the client's disk).
 
-Each step Opacus draws a Poisson batch of the client's records (each record
+Each step draws a Poisson batch of the client's records (each record
 independently with probability q = min(1, batch_size / N)), computes
-per-example gradients, clips each to L2 norm ``max_grad_norm``, sums them,
-adds N(0, (noise_multiplier · max_grad_norm)²) per coordinate and divides by
-the expected batch size q·N. An epoch is ⌊1/q⌋ such steps. Opacus's accountant
-(PRV or RDP) composes the Poisson-subsampled Gaussian mechanism over the steps
-of all rounds. Its history is returned as a JSON-serialisable dict, because a
-ClientApp may run in a fresh process for each message: pass it back the next
-round or ε restarts from zero.
+per-example gradients, clips each to L2 norm C = ``max_grad_norm``, sums them,
+adds Gaussian noise and divides by the expected batch size q·N. An epoch is
+⌊N / batch_size⌋ such steps; an empty batch still takes a noise-only step.
+Opacus's accountant (PRV or RDP) composes the Poisson-subsampled Gaussian
+mechanism over the steps of all rounds.
 
-The ε bounds only what the optimiser's steps release. Anything else computed
-from the raw records and sent out (the training loss, the third-order term of
-``mechanism = hog``, the number of records) is outside it.
+Where the randomness comes from (``noise`` in :class:`DpSgdSettings`):
+
+- ``"fedhog"`` (the default): batches and noise are drawn from the client's
+  :class:`~fedhog.privacy.randomness.RandomBits`, OS entropy unless a fixed
+  ``privacy-seed`` makes them repeatable (and predictable). The noise lives on
+  a lattice as the server's does (:mod:`fedhog.privacy.mechanism`): the sum S
+  of clipped gradients is rounded onto g·ℤ^d and integer Gaussian steps are
+  added, so the released gradient carries no floating-point residue of the
+  records (Mironov 2012). Rounding moves S by up to g√d/2 for each of two
+  neighbouring datasets, so the noise std is σ·(C + g√d). The float32 sum of
+  per-example gradients inside Opacus is not rounded exactly and its error is
+  outside the bound, as in every DP-SGD library.
+- ``"opacus-secure"``: Opacus's ``secure_mode`` (noise hardened against
+  floating-point attacks, sampling and noise from ``/dev/urandom`` through the
+  ``torchcsprng`` package, which must be installed; never repeatable).
+
+The ε bounds only what the optimiser's steps release. A reply therefore
+carries no record counts, and no loss or accuracy computed from the records.
+The ε itself is sent to the (trusted) server; with the client's participation
+it reveals roughly how many records the client holds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -33,9 +50,19 @@ import torch
 from torch import nn
 
 from .data import ArrayData
+from .privacy.mechanism import (
+    MAX_CONTRIBUTIONS,
+    MAX_TAIL_DELTA_SHARE,
+    MechanismSettings,
+    NoiseLattice,
+    noise_tail_delta,
+    rounded_gaussian,
+)
+from .privacy.randomness import MAX_STANDARD_NORMAL, RandomBits, uniform
 from .training import LocalTraining, as_tensors
 
 DPSGD_ACCOUNTANTS = ("prv", "rdp")
+DPSGD_NOISE = ("fedhog", "opacus-secure")
 
 
 def _reject(key: str, value: object, expected: str) -> ValueError:
@@ -53,28 +80,23 @@ class DpSgdSettings:
     Attributes
     ----------
     noise_multiplier : float
-        σ: noise std ÷ ``max_grad_norm``; ≥ 0 (0 clips without noise: ε = ∞).
+        σ: noise std ÷ the sensitivity; ≥ 0 (0 clips without noise: ε = ∞).
     max_grad_norm : float
         C: each example's gradient is clipped to this L2 norm; > 0.
     delta : float
         The δ at which ε is reported, in (0, 1).
     accountant : str
         Opacus's ``"prv"`` (tight, numerical) or ``"rdp"`` (Rényi DP).
-    secure_mode : bool
-        Opacus's secure mode: noise and Poisson sampling from ``/dev/urandom``
-        through ``torchcsprng`` and a Gaussian sampler hardened against
-        floating-point attacks. This is what a deployment should run; it is off
-        by default because it needs ``torchcsprng`` (not a fedhog dependency)
-        and it makes runs irreproducible, as the ``seed`` is then ignored. With
-        it off, noise and sampling come from torch generators seeded by
-        ``seed``: anyone who knows the seed can predict, and remove, the noise.
+    noise : str
+        ``"fedhog"`` (lattice noise from the client's random bits) or
+        ``"opacus-secure"`` (Opacus's secure mode; needs ``torchcsprng``).
     """
 
     noise_multiplier: float
     max_grad_norm: float
     delta: float
     accountant: str = "prv"
-    secure_mode: bool = False
+    noise: str = "fedhog"
 
     def __post_init__(self) -> None:
         sigma, clip, delta = self.noise_multiplier, self.max_grad_norm, self.delta
@@ -86,11 +108,13 @@ class DpSgdSettings:
             raise _reject("delta", delta, "a number in (0, 1)")
         if self.accountant not in DPSGD_ACCOUNTANTS:
             raise _reject("accountant", self.accountant, f"one of {DPSGD_ACCOUNTANTS}")
+        if self.noise not in DPSGD_NOISE:
+            raise _reject("noise", self.noise, f"one of {DPSGD_NOISE}")
 
 
 @dataclass(frozen=True)
 class RecordPrivacy:
-    """The sample-level privacy a client has spent on its records so far.
+    """The record-level privacy a client has spent on its records so far.
 
     ``accountant_state`` is Opacus's ``accountant.state_dict()`` as plain JSON
     types (``{"mechanism": "prv", "history": [[σ, q, steps], ...]}``); pass it
@@ -115,6 +139,22 @@ def record_privacy(settings: DpSgdSettings, accountant_state: Mapping[str, Any] 
     return _privacy(accountant, settings)
 
 
+def lattice_noisy_sum(summed: torch.Tensor, settings: DpSgdSettings, bits: RandomBits) -> tuple[torch.Tensor, float]:
+    """g·(round(S/g) + round(Z·s/g)) in float64, and s = σ·(C + g√d), for a flat sum S of clipped gradients.
+
+    Adding or removing one record moves S by at most C; rounding each of the
+    two sums onto the lattice moves it by at most g√d/2 more, so the lattice
+    points differ by at most C + g√d: the std s covers that sensitivity.
+    """
+    lattice = NoiseLattice.for_settings(
+        MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier), summed.numel())
+    std = settings.noise_multiplier * (settings.max_grad_norm + 2 * lattice.rounding_slack)
+    steps = lattice.quantize(summed)
+    if std > 0:
+        steps += rounded_gaussian(bits, lattice.dimension, std, lattice.granularity)
+    return steps.to(torch.float64) * lattice.granularity, std
+
+
 def train_dpsgd(
     model: nn.Module,
     data: ArrayData,
@@ -122,7 +162,7 @@ def train_dpsgd(
     batch_size: int,
     learning_rate: float,
     momentum: float,
-    seed: int,
+    bits: RandomBits,
     settings: DpSgdSettings,
     accountant_state: Mapping[str, Any] | None = None,
 ) -> tuple[LocalTraining, RecordPrivacy]:
@@ -131,16 +171,23 @@ def train_dpsgd(
     The drop-in counterpart of :func:`fedhog.training.train_locally`: the same
     ``model`` object is trained (Opacus's hooks are attached to it, not wrapped
     around it, and removed afterwards), so its ``state_dict`` keys are
-    unchanged. ``accountant_state`` is the state returned for this client last
-    round (``None`` for its first). With no records nothing is trained and ε is
-    that of ``accountant_state``. ``mean_loss`` averages the non-empty Poisson
-    batches' losses (NaN if all were empty).
+    unchanged. ``bits`` draws the Poisson batches and the noise (unused with
+    ``noise = "opacus-secure"``). ``accountant_state`` is the state returned
+    for this client last round (``None`` for its first). With no records
+    nothing is trained and ε is that of ``accountant_state``. ``mean_loss``
+    averages the non-empty Poisson batches' losses (NaN if all were empty).
 
     Raises
     ------
     ValueError
         Naming the first bad argument (``epochs``, ``batch_size``,
-        ``learning_rate``, ``momentum``, ``accountant_state``).
+        ``learning_rate``, ``momentum``, ``accountant_state``, ``data``), or
+        ``noise_multiplier`` when it is too small for the truncated normals
+        of the fedhog noise.
+    FloatingPointError
+        If a step's sum of clipped gradients is not finite (diverged training).
+    ImportError
+        For ``noise = "opacus-secure"`` without ``torchcsprng``.
     opacus.validators.errors.UnsupportedModuleError
         If the model has layers without per-example gradients (e.g. BatchNorm).
     """
@@ -157,6 +204,8 @@ def train_dpsgd(
     accountant = _accountant(settings, accountant_state)
     if len(data) == 0:
         return LocalTraining(float("nan"), 0, 0), _privacy(accountant, settings)
+    if len(data) > MAX_CONTRIBUTIONS:
+        raise ValueError(f"dpsgd: {len(data)} records exceed the {MAX_CONTRIBUTIONS} that the int64 lattice sum holds")
     # Opacus is imported here, not at module level: a ClientApp message runs in a fresh process
     # on a deployment, and only DP-SGD clients should pay for the import (~1.4 s).
     from opacus.grad_sample import GradSampleHooks
@@ -169,30 +218,31 @@ def train_dpsgd(
     device = next(model.parameters()).device
     x, y = as_tensors(data, device)
     sample_rate = min(1.0, batch_size / len(data))
-    noise_generator, sampling_generator = _generators(seed, device, settings.secure_mode)
-    sampler = UniformWithReplacementSampler(
-        num_samples=len(data), sample_rate=sample_rate, generator=sampling_generator,
-        steps=max(1, len(data) // batch_size),
-    )
+    steps_per_epoch = max(1, len(data) // batch_size)
+    sgd = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
+    common = {"noise_multiplier": settings.noise_multiplier, "max_grad_norm": settings.max_grad_norm,
+              "expected_batch_size": min(batch_size, len(data)), "loss_reduction": "mean"}  # q·N
+    if settings.noise == "opacus-secure":
+        secure = _secure_generator()
+        batches = UniformWithReplacementSampler(num_samples=len(data), sample_rate=sample_rate,
+                                                generator=secure, steps=steps_per_epoch)
+        optimizer = DPOptimizer(sgd, generator=secure, secure_mode=True, **common)
+    else:
+        dimension = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        steps_so_far = sum(int(n) for _, _, n in accountant.history)
+        _check_noise_tail(settings, dimension, steps_so_far + epochs * steps_per_epoch)
+        batches = _PoissonBatches(bits, len(data), sample_rate, steps_per_epoch)
+        optimizer = _lattice_optimizer_class()(sgd, bits=bits, settings=settings, **common)
     hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean")
     try:
         hooks.forbid_grad_accumulation()
-        optimizer = DPOptimizer(
-            torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum),
-            noise_multiplier=settings.noise_multiplier,
-            max_grad_norm=settings.max_grad_norm,
-            expected_batch_size=min(batch_size, len(data)),  # q·N
-            loss_reduction="mean",
-            generator=noise_generator,
-            secure_mode=settings.secure_mode,
-        )
         optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
         model.train()
         losses, steps = [], 0
         with warnings.catch_warnings():  # Opacus's backward hooks fire on inputs that need no grad
             warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
             for _ in range(epochs):
-                for batch in sampler:
+                for batch in batches:
                     index = torch.as_tensor(batch, dtype=torch.long, device=device)
                     optimizer.zero_grad(set_to_none=True)
                     loss = nn.functional.cross_entropy(model(x[index]), y[index])
@@ -210,23 +260,64 @@ def train_dpsgd(
     return LocalTraining(mean_loss, steps, 0), _privacy(accountant, settings)
 
 
-def _generators(
-    seed: int, device: torch.device, secure_mode: bool
-) -> tuple[torch.Generator, torch.Generator]:
-    """(noise, sampling) generators: seeded from ``seed``, or OS entropy in secure mode."""
-    if secure_mode:
-        try:
-            import torchcsprng
-        except ImportError as error:
-            raise ImportError("dpsgd: secure_mode=True needs the torchcsprng package") from error
-        secure = torchcsprng.create_random_device_generator("/dev/urandom")
-        return secure, secure
-    noise_seed, sampling_seed = np.random.SeedSequence(seed).generate_state(2, dtype=np.uint64)
-    noise = torch.Generator(device=device)
-    noise.manual_seed(int(noise_seed))
-    sampling = torch.Generator()
-    sampling.manual_seed(int(sampling_seed))
-    return noise, sampling
+class _PoissonBatches:
+    """``steps`` Poisson batches per iteration: each record independently with probability ``rate``."""
+
+    def __init__(self, bits: RandomBits, num_records: int, rate: float, steps: int) -> None:
+        self.bits, self.num_records, self.rate, self.steps = bits, num_records, rate, steps
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for _ in range(self.steps):
+            yield np.flatnonzero(uniform(self.bits, self.num_records) < self.rate)
+
+
+@functools.cache
+def _lattice_optimizer_class() -> type:
+    """Opacus's DPOptimizer with :func:`lattice_noisy_sum` as its noise (built on first use: Opacus loads lazily)."""
+    from opacus.optimizers import DPOptimizer
+    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+    class LatticeNoiseDPOptimizer(DPOptimizer):
+        """Adds lattice noise from fedhog's random bits to the sum of all parameters' clipped gradients."""
+
+        def __init__(self, *args: Any, bits: RandomBits, settings: DpSgdSettings, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.bits, self.settings = bits, settings
+
+        def add_noise(self) -> None:
+            for p in self.params:
+                _check_processed_flag(p.summed_grad)
+            summed = torch.cat([p.summed_grad.detach().reshape(-1).to("cpu", torch.float64) for p in self.params])
+            if not torch.isfinite(summed).all():
+                raise FloatingPointError("dpsgd: the sum of clipped gradients is not finite (diverged training?)")
+            noisy, _ = lattice_noisy_sum(summed, self.settings, self.bits)
+            offset = 0
+            for p in self.params:
+                p.grad = noisy[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+                offset += p.numel()
+                _mark_as_processed(p.summed_grad)
+
+    return LatticeNoiseDPOptimizer
+
+
+def _check_noise_tail(settings: DpSgdSettings, dimension: int, steps: int) -> None:
+    """Refuse a σ whose truncated normals (|z| ≤ 13.37) would add more than 1% of δ over ``steps`` releases."""
+    if settings.noise_multiplier == 0:
+        return
+    tail = noise_tail_delta(settings.noise_multiplier, dimension, steps)
+    if tail > MAX_TAIL_DELTA_SHARE * settings.delta:
+        raise _reject("noise_multiplier", settings.noise_multiplier,
+                      f"a σ large enough for fedhog's noise sampler: its normals stop at {MAX_STANDARD_NORMAL:.2f} "
+                      f"standard deviations, which adds {tail:.3g} to δ={settings.delta:g} over {steps} steps")
+
+
+def _secure_generator() -> torch.Generator:
+    try:
+        import torchcsprng
+    except ImportError as error:
+        raise ImportError("dpsgd-noise='opacus-secure' needs the torchcsprng package, which is not installed; "
+                          "install a torchcsprng built for this torch, or use dpsgd-noise='fedhog'") from error
+    return torchcsprng.create_random_device_generator("/dev/urandom")
 
 
 def _accountant(settings: DpSgdSettings, state: Mapping[str, Any] | None):

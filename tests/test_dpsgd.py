@@ -1,27 +1,35 @@
-"""Sample-level DP: local DP-SGD with Opacus (``fedhog.dpsgd``)."""
+"""Record-level DP: local DP-SGD with Opacus (``fedhog.dpsgd``)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
+import re
+import sys
+import types
 
 import dp_accounting
 import numpy as np
 import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
+from scipy import stats as scipy_stats
 from torch.func import functional_call, grad, vmap
 
+from fedhog import dpsgd
+from fedhog.config import ConfigError, RunConfig
 from fedhog.data import ArrayData, load_digits
-from fedhog.dpsgd import DpSgdSettings, record_privacy, train_dpsgd
+from fedhog.dpsgd import DpSgdSettings, lattice_noisy_sum, record_privacy, train_dpsgd
 from fedhog.models import build_model
+from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
+from fedhog.privacy.randomness import SecureBits, SeededBits
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's dropped-RDP-order warnings
 
 DELTA = 1e-5
+ALPHA = 1e-9  # probability that a correct implementation fails one statistical check
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +47,25 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _settings(sigma: float = 1.0, clip: float = 1.0, accountant: str = "rdp") -> DpSgdSettings:
-    return DpSgdSettings(noise_multiplier=sigma, max_grad_norm=clip, delta=DELTA, accountant=accountant)
+def _settings(sigma: float = 1.0, clip: float = 1.0, accountant: str = "rdp", noise: str = "fedhog") -> DpSgdSettings:
+    return DpSgdSettings(noise_multiplier=sigma, max_grad_norm=clip, delta=DELTA, accountant=accountant, noise=noise)
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _lattice(sigma: float, clip: float, dimension: int) -> NoiseLattice:
+    return NoiseLattice.for_settings(MechanismSettings("gaussian", clip, sigma), dimension)
+
+
+def assert_std(samples: np.ndarray, std: float) -> None:
+    """Two-sided chi-square test of the sample variance around a known zero mean, plus a z-test of the mean."""
+    n = samples.size
+    statistic = float(np.sum(samples.astype(np.float64) ** 2)) / std**2
+    low, high = scipy_stats.chi2.ppf([ALPHA / 2, 1 - ALPHA / 2], n)
+    assert low < statistic < high, f"sample std {np.sqrt(statistic / n) * std:.6g}, expected {std:.6g}"
+    assert abs(float(np.mean(samples))) / (std / math.sqrt(n)) < scipy_stats.norm.isf(ALPHA / 2)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn2d"])
@@ -64,7 +89,7 @@ def test_a_noiseless_step_moves_by_minus_lr_times_the_mean_clipped_per_example_g
                 for k, g in per_example.items()}
 
     # batch_size = N: q = 1, so the one Poisson batch of the epoch holds every record
-    local, privacy = train_dpsgd(model, data, 1, len(data), lr, 0.0, 7, _settings(sigma=0.0, clip=clip))
+    local, privacy = train_dpsgd(model, data, 1, len(data), lr, 0.0, SeededBits(7), _settings(sigma=0.0, clip=clip))
 
     assert local.steps == 1 and privacy.steps == 1 and privacy.epsilon == math.inf
     unclipped_change = lr * per_example["features.0.weight" if name == "cnn2d" else "1.weight"].mean(0)
@@ -76,49 +101,107 @@ def test_a_noiseless_step_moves_by_minus_lr_times_the_mean_clipped_per_example_g
 
 
 def test_no_example_moves_the_model_by_more_than_its_clipped_share(digits):
-    """Make one record's gradient huge: with σ = 0 its effect on the step stays ≤ lr·C/N."""
+    """Make one record's gradient huge: with σ = 0 its effect on the step stays ≤ lr·(2C + g√d)/N."""
     data = ArrayData(digits.x[:20], digits.y[:20])
     poisoned = ArrayData(data.x.copy(), data.y.copy())
     poisoned.x[0] *= 1e4
     moved = {}
     for name, d in (("clean", data), ("poisoned", poisoned)):
         model = _model()
-        train_dpsgd(model, d, 1, len(d), 1.0, 0.0, 0, _settings(sigma=0.0, clip=0.1))
-        moved[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    # the step is −lr·Σᵢ clip(gᵢ)/N; only record 0 differs, and both of its clipped gradients have norm ≤ C
-    assert torch.linalg.norm(moved["clean"] - moved["poisoned"]) <= 2 * 1.0 * 0.1 / len(data) + 1e-12
+        train_dpsgd(model, d, 1, len(d), 1.0, 0.0, SeededBits(0), _settings(sigma=0.0, clip=0.1))
+        moved[name] = _flat(model)
+    # the step is −lr·(Σᵢ clip(gᵢ) rounded onto the lattice)/N; only record 0 differs, both of its clipped
+    # gradients have norm ≤ C, and rounding moves each of the two sums by ≤ g√d/2
+    slack = _lattice(0.0, 0.1, moved["clean"].numel()).rounding_slack
+    assert torch.linalg.norm(moved["clean"] - moved["poisoned"]) <= 1.0 * (2 * 0.1 + 2 * slack) / len(data) + 1e-14
 
 
-def test_gaussian_noise_of_std_sigma_c_is_added(digits):
+def test_a_step_adds_noise_of_std_sigma_times_c_plus_g_sqrt_d(digits):
     data = ArrayData(digits.x[:50], digits.y[:50])
     sigma, clip, lr = 2.0, 0.5, 0.1
     noiseless, noisy, again = _model(), _model(), _model()
-    train_dpsgd(noiseless, data, 1, len(data), lr, 0.0, 3, _settings(sigma=0.0, clip=clip))
-    train_dpsgd(noisy, data, 1, len(data), lr, 0.0, 3, _settings(sigma=sigma, clip=clip))
-    train_dpsgd(again, data, 1, len(data), lr, 0.0, 3, _settings(sigma=sigma, clip=clip))
-    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
-    # one step over all N records: θ_noisy − θ_noiseless = −lr · noise / N, noise ~ N(0, (σC)²) per coordinate
-    noise = (flat(noiseless) - flat(noisy)) * len(data) / lr
-    assert len(noise) > 4000
-    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.05)
-    assert abs(float(noise.mean())) < 4 * sigma * clip / math.sqrt(len(noise))
-    assert torch.equal(flat(noisy), flat(again))  # deterministic for a seed
+    train_dpsgd(noiseless, data, 1, len(data), lr, 0.0, SeededBits(3), _settings(sigma=0.0, clip=clip))
+    train_dpsgd(noisy, data, 1, len(data), lr, 0.0, SeededBits(3), _settings(sigma=sigma, clip=clip))
+    train_dpsgd(again, data, 1, len(data), lr, 0.0, SeededBits(3), _settings(sigma=sigma, clip=clip))
+    # one step over all N records (q = 1): θ_noiseless − θ_noisy = lr · noise / N (noise on the sum)
+    noise = ((_flat(noiseless) - _flat(noisy)) * len(data) / lr).numpy()
+    assert noise.size > 4000
+    assert_std(noise, sigma * (clip + 2 * _lattice(sigma, clip, noise.size).rounding_slack))
+    assert torch.equal(_flat(noisy), _flat(again))  # repeatable for a fixed seed
 
 
-def test_the_seed_drives_noise_and_poisson_sampling(digits):
-    runs = []
-    for seed in (1, 1, 2):
-        model = _model()
-        local, _ = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, seed, _settings())
-        runs.append((local.mean_loss, torch.cat([p.detach().flatten() for p in model.parameters()])))
-    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
-    assert runs[0][0] != runs[2][0] and not torch.equal(runs[0][1], runs[2][1])
+def test_chi_square_check_rejects_a_wrong_std():
+    samples = np.random.default_rng(0).normal(0.0, 0.2, 4000)
+    assert_std(samples, 0.2)
+    for wrong in (0.2 * 1.25, 0.2 / 1.25, 0.1, 0.4):  # the check above is sharp enough for σC/2, 2σC, ...
+        with pytest.raises(AssertionError):
+            assert_std(samples, wrong)
+
+
+@pytest.mark.parametrize("sigma, clip", [(1.0, 1.0), (0.7, 3.0), (4.0, 0.25)])
+def test_lattice_noise_covers_the_rounding_of_both_neighbouring_sums(sigma, clip):
+    dimension = 200_000
+    summed = torch.linspace(-3, 3, dimension, dtype=torch.float64) * clip
+    noisy, std = lattice_noisy_sum(summed, _settings(sigma, clip), SeededBits(11))
+    lattice = _lattice(sigma, clip, dimension)
+    # each of two neighbouring sums is rounded, each by ≤ g√d/2: the sensitivity is C + g√d, not C + g√d/2
+    assert std == sigma * (clip + lattice.granularity * math.sqrt(dimension))
+    steps = noisy / lattice.granularity
+    assert torch.equal(steps, torch.round(steps))  # a lattice point: no floating-point residue of the sum
+    clean = lattice.quantize(summed).to(torch.float64) * lattice.granularity
+    assert_std((noisy - clean).numpy(), std)
+    assert scipy_stats.kstest((noisy - clean).numpy() / std, "norm").pvalue > ALPHA  # Gaussian, not just its variance
+
+
+class _NoBits:
+    """RandomBits that fail the test when anything is drawn from them."""
+
+    def words(self, count: int) -> np.ndarray:
+        raise AssertionError(f"{count} words drawn from the fedhog bits")
+
+
+def test_without_noise_the_release_is_the_sum_rounded_onto_the_lattice():
+    summed = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    released, std = lattice_noisy_sum(summed, _settings(0.0, 1.0), _NoBits())
+    assert std == 0.0
+    assert float((released - summed).abs().max()) <= _lattice(0.0, 1.0, 1000).granularity / 2
+
+
+def test_the_random_bits_drive_noise_and_poisson_sampling(digits):
+    def run(bits, sigma: float, batch_size: int) -> tuple[float, torch.Tensor]:
+        model = _model()  # reseeds torch's global generator: noise drawn from it would repeat
+        local, _ = train_dpsgd(model, digits, 1, batch_size, 0.1, 0.0, bits, _settings(sigma=sigma))
+        return local.mean_loss, _flat(model)
+
+    # batch_size = N: q = 1, every record in every batch, so only the noise can differ
+    noise = [run(bits, 1.0, len(digits)) for bits in (SeededBits(1), SeededBits(1), SeededBits(2))]
+    assert torch.equal(noise[0][1], noise[1][1]) and not torch.equal(noise[0][1], noise[2][1])
+    assert not torch.equal(run(SecureBits(), 1.0, len(digits))[1], run(SecureBits(), 1.0, len(digits))[1])
+    # σ = 0: no noise, so only the Poisson batches can differ
+    batches = [run(bits, 0.0, 10) for bits in (SeededBits(1), SeededBits(1), SeededBits(2))]
+    assert batches[0][0] == batches[1][0] and torch.equal(batches[0][1], batches[1][1])
+    assert batches[0][0] != batches[2][0]
+    assert run(SecureBits(), 0.0, 10)[0] != run(SecureBits(), 0.0, 10)[0]
+
+
+def test_poisson_batches_include_each_record_independently_with_probability_q():
+    num_records, rate, steps = 50, 0.2, 4000
+    batches = list(dpsgd._PoissonBatches(SeededBits(5), num_records, rate, steps))
+    assert len(batches) == steps
+    sizes = np.array([len(b) for b in batches])
+    counts = np.bincount(np.concatenate(batches), minlength=num_records)
+    # batch sizes ~ Binomial(N, q) (they vary: not a fixed-size shuffle); each record's count ~ Binomial(steps, q)
+    for observed, trials, cells in ((sizes, num_records, steps), (counts, steps, num_records)):
+        statistic = float(np.sum((observed - trials * rate) ** 2)) / (trials * rate * (1 - rate))
+        low, high = scipy_stats.chi2.ppf([ALPHA / 2, 1 - ALPHA / 2], cells)
+        assert low < statistic < high
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_epsilon_is_opacus_accountant_of_the_poisson_subsampled_gaussian(digits, accountant):
     sigma, epochs, batch_size = 1.0, 2, 10  # q = 10/100, ⌊1/q⌋ = 10 steps an epoch
-    _, privacy = train_dpsgd(_model(), digits, epochs, batch_size, 0.1, 0.0, 0, _settings(sigma, accountant=accountant))
+    _, privacy = train_dpsgd(_model(), digits, epochs, batch_size, 0.1, 0.0, SeededBits(0),
+                             _settings(sigma, accountant=accountant))
     q, steps = batch_size / len(digits), epochs * 10
     assert privacy.steps == steps
     assert privacy.accountant_state == {"mechanism": accountant, "history": [[sigma, q, steps]]}
@@ -141,10 +224,10 @@ def test_epsilon_is_opacus_accountant_of_the_poisson_subsampled_gaussian(digits,
 def test_epsilon_accumulates_over_rounds_only_when_the_state_is_carried(digits):
     settings = _settings(accountant="rdp")
     model = _model()
-    _, first = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, 1, settings)
-    carried = json.loads(json.dumps(first.accountant_state))  # as stored in a Flower ConfigRecord
-    _, second = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, 2, settings, carried)
-    _, fresh = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, 2, settings)
+    _, first = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, SeededBits(1), settings)
+    carried = json.loads(json.dumps(first.accountant_state))  # as stored on the client's disk
+    _, second = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, SeededBits(2), settings, carried)
+    _, fresh = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, SeededBits(2), settings)
 
     assert second.steps == 2 * first.steps and second.epsilon > first.epsilon
     twice = RDPAccountant()
@@ -161,7 +244,7 @@ def test_the_trained_model_is_the_plain_module_with_its_own_keys(digits):
     keys, kind, global_state = list(model.state_dict()), type(model), copy.deepcopy(model.state_dict())
     original_attrs = {n: set(vars(p)) for n, p in model.named_parameters()}
     for round_seed in (0, 1):  # a second call must not find hooks of the first
-        train_dpsgd(model, digits, 1, 16, 0.1, 0.9, round_seed, _settings())
+        train_dpsgd(model, digits, 1, 16, 0.1, 0.9, SeededBits(round_seed), _settings())
     assert type(model) is kind and list(model.state_dict()) == keys
     assert not any(k.startswith("_module.") for k in model.state_dict())
     for module in model.modules():
@@ -175,27 +258,28 @@ def test_the_trained_model_is_the_plain_module_with_its_own_keys(digits):
 
 def test_tiny_batches_take_noise_only_steps_on_empty_poisson_batches(digits):
     data = ArrayData(digits.x[:30], digits.y[:30])
-    local, privacy = train_dpsgd(_model(), data, 1, 1, 0.01, 0.0, 5, _settings())  # q = 1/30: many empty batches
+    # q = 1/30: many empty batches
+    local, privacy = train_dpsgd(_model(), data, 1, 1, 0.01, 0.0, SeededBits(5), _settings())
     assert local.steps == privacy.steps == 30 and math.isfinite(local.mean_loss)
     assert privacy.accountant_state["history"] == [[1.0, 1 / 30, 30]]
 
 
 def test_a_client_without_records_trains_nothing_and_spends_nothing(digits):
     settings = _settings()
-    _, before = train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, 0, settings)
+    _, before = train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, SeededBits(0), settings)
     model = _model()
     start = _params(model)
     empty = ArrayData(digits.x[:0], digits.y[:0])
-    local, after = train_dpsgd(model, empty, 1, 10, 0.1, 0.0, 0, settings, before.accountant_state)
+    local, after = train_dpsgd(model, empty, 1, 10, 0.1, 0.0, _NoBits(), settings, before.accountant_state)
     assert local.steps == 0 and math.isnan(local.mean_loss)
     assert after.epsilon == before.epsilon and after.accountant_state == before.accountant_state
     assert all(torch.equal(p.detach(), start[k]) for k, p in model.named_parameters())
-    assert train_dpsgd(model, empty, 1, 10, 0.1, 0.0, 0, settings)[1].epsilon == 0.0
+    assert train_dpsgd(model, empty, 1, 10, 0.1, 0.0, _NoBits(), settings)[1].epsilon == 0.0
 
 
 @pytest.mark.parametrize("field, value", [
     ("noise_multiplier", -1.0), ("noise_multiplier", math.inf), ("max_grad_norm", 0.0),
-    ("max_grad_norm", math.nan), ("delta", 0.0), ("delta", 1.0), ("accountant", "pld"),
+    ("max_grad_norm", math.nan), ("delta", 0.0), ("delta", 1.0), ("accountant", "pld"), ("noise", "opacus"),
 ])
 def test_bad_settings_are_rejected_by_name(field, value):
     kwargs = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "delta": DELTA, field: value}
@@ -210,11 +294,78 @@ def test_bad_settings_are_rejected_by_name(field, value):
 def test_bad_training_arguments_are_rejected_by_name(digits, field, value):
     kwargs = {"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "momentum": 0.0, field: value}
     with pytest.raises(ValueError, match=f"dpsgd: {field}="):
-        train_dpsgd(_model(), digits, seed=0, settings=_settings(), **kwargs)
+        train_dpsgd(_model(), digits, bits=SeededBits(0), settings=_settings(), **kwargs)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchcsprng") is not None, reason="torchcsprng is installed")
-def test_secure_mode_needs_torchcsprng(digits):
-    settings = DpSgdSettings(1.0, 1.0, DELTA, secure_mode=True)
-    with pytest.raises(ImportError, match="torchcsprng"):
-        train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, 0, settings)
+def test_a_sigma_too_small_for_the_truncated_normals_is_refused(digits):
+    # |z| ≤ 13.37: with σ = 0.05 a neighbour's shift of 1/σ = 20 standard deviations leaves the noise's support
+    with pytest.raises(ValueError, match=r"dpsgd: noise_multiplier=0\.05 .* normals stop at 13\.37"):
+        train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, SeededBits(0), _settings(sigma=0.05))
+
+
+def test_a_diverged_sum_is_refused_rather_than_rounded(digits):
+    model = _model()
+    with torch.no_grad():
+        next(model.parameters()).fill_(math.nan)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        train_dpsgd(model, digits, 1, 10, 0.1, 0.0, SeededBits(0), _settings())
+
+
+def test_more_records_than_the_int64_lattice_sum_holds_are_refused(digits, monkeypatch):
+    monkeypatch.setattr(dpsgd, "MAX_CONTRIBUTIONS", len(digits) - 1)
+    with pytest.raises(ValueError, match=f"dpsgd: {len(digits)} records exceed the {len(digits) - 1}"):
+        train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, SeededBits(0), _settings())
+
+
+def test_opacus_secure_mode_needs_torchcsprng(digits, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchcsprng", None)  # `import torchcsprng` raises ImportError
+    with pytest.raises(ImportError, match="dpsgd-noise='opacus-secure' needs the torchcsprng package"):
+        train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, _NoBits(), _settings(noise="opacus-secure"))
+
+
+def _stub_torchcsprng(seed: int, opened: list[str]) -> types.ModuleType:
+    """A torchcsprng whose "random device" is a seeded torch.Generator, recording what it opened."""
+    stub = types.ModuleType("torchcsprng")
+
+    def create_random_device_generator(path: str) -> torch.Generator:
+        opened.append(path)
+        return torch.Generator().manual_seed(seed)
+
+    stub.create_random_device_generator = create_random_device_generator
+    return stub
+
+
+def test_opacus_secure_mode_draws_noise_and_batches_from_torchcsprng(digits, monkeypatch):
+    import opacus.optimizers.optimizer as opacus_optimizer
+
+    noise_calls = []
+    original = opacus_optimizer._generate_noise
+
+    def spy(std, reference, generator=None, secure_mode=False):
+        noise_calls.append((std, generator, secure_mode))
+        return original(std, reference, generator=generator, secure_mode=secure_mode)
+
+    monkeypatch.setattr(opacus_optimizer, "_generate_noise", spy)
+    runs, opened = [], []
+    for seed in (1, 1, 2):
+        monkeypatch.setitem(sys.modules, "torchcsprng", _stub_torchcsprng(seed, opened))
+        model = _model()
+        local, privacy = train_dpsgd(model, digits, 1, 10, 0.1, 0.0, _NoBits(), _settings(sigma=0.5, clip=0.8,
+                                                                                        noise="opacus-secure"))
+        runs.append((local.mean_loss, _flat(model)))
+    assert opened == ["/dev/urandom"] * 3
+    assert noise_calls and all(std == 0.5 * 0.8 and secure for std, _, secure in noise_calls)
+    assert len({id(generator) for _, generator, _ in noise_calls}) == 3  # one generator a run, the stub's
+    assert privacy.steps == 10 and privacy.accountant_state["history"] == [[0.5, 0.1, 10]]
+    # noise and batches come from the stub's generator alone: the same "device" output, the same run
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][0] != runs[2][0] and not torch.equal(runs[0][1], runs[2][1])
+
+
+@pytest.mark.parametrize("value", ["opacus", "secure", ""])
+def test_dpsgd_noise_is_a_validated_config_key(value):
+    allowed = "expected one of fedhog, opacus-secure"
+    with pytest.raises(ConfigError, match=re.escape(f"dpsgd-noise={value!r} is not allowed; {allowed}")):
+        RunConfig().with_overrides({"dpsgd-noise": value})
+    assert RunConfig().dpsgd_settings.noise == "fedhog"
+    assert RunConfig().with_overrides({"dpsgd-noise": "opacus-secure"}).dpsgd_settings.noise == "opacus-secure"
