@@ -25,6 +25,15 @@ Flower's accounted wrapper and fedhog at the same cohort into its two causes:
 sampling amplification (Flower's no-amplification σ ÷ fedhog's Poisson σ, both
 RDP) and the accountant (fedhog's RDP σ ÷ its PLD σ).
 
+A third table asks what Flower's number means when the cohort is a fixed-size
+draw, as in Flower's runs: its no-amplification bound composes a Gaussian of
+sensitivity C, but replacing one client of a given cohort moves the sum by 2C.
+It shows, at the Flower σ of the second table, the ε of the actual mechanism
+(K of N drawn without replacement, replace-one, RDP: ``dp_accounting``'s
+SampledWithoutReplacementDpEvent) and the ε if the same cohort were chosen by
+someone (no sampling, sensitivity 2C): Flower's ε holds because the cohort is
+random, not whoever chose it.
+
 Usage::
 
     python simulations/noise_table.py
@@ -32,6 +41,8 @@ Usage::
 
 from __future__ import annotations
 
+import dp_accounting
+from dp_accounting import dp_event, rdp
 from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
@@ -81,6 +92,17 @@ def same_cohort_row(epsilon: float) -> tuple[float, float, float]:
     return flower, fedhog_rdp, fedhog_pld
 
 
+def flower_bound_row(sigma: float) -> tuple[float, float]:
+    """ε of Flower's sweep-setting release at σ: its random cohort (replace-one), and a chosen one (2C)."""
+    def epsilon(event: dp_event.DpEvent) -> float:
+        accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        return accountant.compose(dp_event.SelfComposedDpEvent(event, SWEEP_ROUNDS)).get_epsilon(DELTA)
+
+    gaussian = dp_event.GaussianDpEvent(sigma / 2)  # replace-one: sensitivity 2C
+    random_cohort = dp_event.SampledWithoutReplacementDpEvent(POPULATION, SWEEP_COHORT, gaussian)
+    return epsilon(random_cohort), epsilon(gaussian)
+
+
 def main() -> None:
     """Print the Markdown tables."""
     print(f"N = {POPULATION} clients, T = {ROUNDS} rounds, δ = {DELTA:g}; "
@@ -104,6 +126,14 @@ def main() -> None:
         flower, fedhog_rdp, fedhog_pld = same_cohort_row(epsilon)
         print(f"| {epsilon:g} | {flower:.4g} | {fedhog_rdp:.4g} | {fedhog_pld:.4g} | {flower / fedhog_pld:.3g}× "
               f"| {flower / fedhog_rdp:.3g}× | {fedhog_rdp / fedhog_pld:.3g}× |")
+    print(f"\nWhat Flower's ε means: its σ at the same cohort, replace-one neighbours, RDP, δ = {DELTA:g}\n")
+    print("| ε Flower reports | Flower σ | ε of its random cohort (K of N without replacement) "
+          "| ε if the cohort were chosen (sensitivity 2C) |")
+    print("|---|---|---|---|")
+    for epsilon in EPSILONS:
+        flower = calibrate_unamplified_noise_multiplier(epsilon, DELTA, SWEEP_ROUNDS, POPULATION, SWEEP_COHORT)
+        random_cohort, chosen = flower_bound_row(flower)
+        print(f"| {epsilon:g} | {flower:.4g} | {random_cohort:.3g} | {chosen:.3g} |")
 
 
 if __name__ == "__main__":
