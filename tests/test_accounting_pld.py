@@ -5,6 +5,7 @@ import math
 
 import dp_accounting
 import pytest
+from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from dp_accounting import pld, rdp
 from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import (
@@ -135,26 +136,39 @@ def test_published_figures(sigma, q, rounds, delta, rdp_eps, pld_eps, prv_eps):
     assert prv_epsilon(sigma, q, rounds, delta) == pytest.approx(prv_eps, rel=0.01)
 
 
-def test_identical_events_compose_once_and_would_exceed_does_not_replay(monkeypatch):
-    compositions = []
+def test_identical_events_build_their_pld_once_and_would_exceed_does_not_replay(monkeypatch):
+    """The subsampled Gaussian's PLD (the costly part) is built once per event, however many rounds and
+    projections follow; every ε still equals dp_accounting's PLDAccountant composing from scratch."""
+    reference = direct_pld(1.0, 0.1, 1001, 1e-5)  # before counting: it builds and composes too
+    builds, compositions = [], []
+    real_build, real_self_compose = pld_module.pld_lib.from_gaussian_mechanism, PrivacyLossDistribution.self_compose
 
-    class CountingPLD(pld.PLDAccountant):
-        def compose(self, event, count=1):
-            compositions.append(count)
-            return super().compose(event, count)
+    def counting_build(*args, **kwargs):
+        builds.append(kwargs.get("sampling_prob"))
+        return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(pld_module, "PLDAccountant", CountingPLD)
+    def counting_self_compose(self, count, *args, **kwargs):
+        compositions.append(count)
+        return real_self_compose(self, count, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module.pld_lib, "from_gaussian_mechanism", counting_build)
+    monkeypatch.setattr(PrivacyLossDistribution, "self_compose", counting_self_compose)
+    pld_module._subsampled_gaussian.cache_clear()
     accountant = PldAccountant(config(), value_discretization_interval=DVI)
     for _ in range(1000):
         accountant.compose(event(1.0, 0.1))
     first = accountant.get_epsilon(1e-5)
-    assert compositions == [1000]
+    assert builds == [0.1] and compositions == [1000]
     assert accountant.get_epsilon(1e-6) > first and compositions == [1000]  # cached backend
     assert not accountant.would_exceed(event(1.0, 0.1), max_epsilon=1e3)
-    assert compositions == [1000, 1001]
+    assert builds == [0.1] and compositions == [1000, 1001]
     accountant.compose(event(1.0, 0.1))
-    assert accountant.get_epsilon(1e-5) == pytest.approx(direct_pld(1.0, 0.1, 1001, 1e-5), rel=1e-12)
+    assert accountant.get_epsilon(1e-5) == pytest.approx(reference, rel=1e-12)
     assert compositions == [1000, 1001]  # the projection was the next committed state
+    accountant.compose(event(1.0, 0.1))
+    accountant.get_epsilon(1e-5)
+    assert builds == [0.1]  # a later round composes the PLD built in round one
+    pld_module._subsampled_gaussian.cache_clear()
 
 
 def test_would_exceed_is_about_the_next_release_and_does_not_compose():
