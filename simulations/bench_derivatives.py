@@ -1,16 +1,21 @@
 """Benchmark of fedhog.derivatives: time of each quantity as a ratio to one gradient.
 
-For each model (MLP, MNIST-1D 1-D CNN, ~1M-parameter MLP; ``--full`` adds a ~5M
-MLP) and each formulation (Taylor mode, nested ``torch.func``, nested
-``autograd``), a quantity is timed alternately with one ``torch.autograd.grad``
-forward+backward of the same batch; the reported ratio is the median of the
-per-pair time ratios.  Peak memory of the gradient and of the third-order
-vector is the growth of the peak resident set size (Linux ``VmHWM``, reset
-through ``/proc/self/clear_refs``) during one call in a fresh subprocess.
+For each model (15k MLP, MNIST-1D-sized 1-D CNN of 38k parameters, ~1M MLP;
+``--full`` adds a ~4.7M MLP) and each formulation (Taylor mode, nested
+``torch.func``, nested ``autograd``), a quantity is timed alternately with one
+``torch.autograd.grad`` forward+backward of the same batch; the ratio is the
+median of the per-pair time ratios, and with ``--repeat N`` the median of N such
+medians (taken in N passes over all rows, so slow drifts of the machine's load
+hit every formulation alike).  Peak memory of the gradient and of the
+third-order vector: on CPU the growth of the peak resident set size (Linux
+``VmHWM``, reset through ``/proc/self/clear_refs``) during one call in a fresh
+subprocess; on CUDA ``torch.cuda.max_memory_allocated`` above the memory held
+before the call.  The load average is printed with the table (the machine may
+be shared).
 
 Usage::
 
-    python simulations/bench_derivatives.py [--quick] [--json] [--threads 2]
+    python simulations/bench_derivatives.py [--quick] [--full] [--json] [--threads 1] [--repeat 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
     raise ValueError(name)
 
 
-def make_batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(shape: tuple[int, ...], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, *shape, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = torch.randn(BATCH, *shape, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    return x.to(device), y.to(device)
 
 
 def make_direction(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -90,7 +96,7 @@ def tasks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[tuple[str,
     for k in range(1, 6):
         for method in ("taylor", "torch.func"):
             out[(f"directional_k{k}", method)] = lambda m=method, k=k: directional_derivatives(
-                model, x, y, v, k, method=m
+                model, x, y, v, order=k, method=m
             )
     return out
 
@@ -98,6 +104,19 @@ def tasks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[tuple[str,
 def baseline(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
     params = list(model.parameters())
     return lambda: torch.autograd.grad(cross_entropy(model(x), y), params)
+
+
+def synchronized(f: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``f`` followed by a device synchronisation (CUDA kernels run asynchronously)."""
+    if device.type != "cuda":
+        return f
+
+    def g() -> object:
+        out = f()
+        torch.cuda.synchronize(device)
+        return out
+
+    return g
 
 
 def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budget_s: float) -> float:
@@ -117,6 +136,18 @@ def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budge
         f()
         ratios.append((time.perf_counter() - s) / tb)
     return statistics.median(ratios)
+
+
+def peak_cuda(model: nn.Module, x: torch.Tensor, y: torch.Tensor, quantity: str, method: str) -> float:
+    """Peak CUDA memory (MiB) allocated during one call above what was held before it."""
+    f = baseline(model, x, y) if method == "baseline" else tasks(model, x, y)[(quantity, method)]
+    f()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    f()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def peak_child(model_name: str, quantity: str, method: str, threads: int) -> float:
@@ -163,43 +194,98 @@ def greeks_timing(n: int = 100_000) -> dict[str, float]:
     return {"options": n, "engine_s": engine, "numpy_analytic_s": analytic}
 
 
+SUMMARY = (
+    ("third_order_vector", ("taylor", "autograd", "torch.func")),
+    ("hvp", ("taylor", "autograd")),
+    ("directional_k5", ("taylor", "torch.func")),
+)
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The README table: ratios side by side per model, peaks, and the issue's goals."""
+    lines = [
+        "| model | third-order vector: Taylor / triple backward / torch.func [≤ 3.0] "
+        "| HVP: Taylor / double backward | order-5 directional: Taylor / nested jvp [≤ 2.5] "
+        "| peak MiB: gradient / Taylor / triple backward [Taylor ≤ 0.5× triple] |",
+        "|---|---|---|---|---|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        get = {(r["quantity"], r["method"]): r for r in rows if r["model"] == model}
+        cells = []
+        for quantity, methods in SUMMARY:
+            found = [get.get((quantity, m)) for m in methods]
+            text = [f"{r['ratio_to_gradient']:.2f}" if r else "–" for r in found]
+            goal = {"third_order_vector": 3.0, "directional_k5": 2.5}.get(quantity)
+            if goal and found[0] and found[0]["ratio_to_gradient"] <= goal:
+                text[0] = f"**{text[0]}**"
+            cells.append(" / ".join(text))
+        peaks = [get.get(k, {}).get("peak_mib") for k in (("gradient", "autograd.grad (baseline)"),
+                                                          ("third_order_vector", "taylor"),
+                                                          ("third_order_vector", "autograd"))]  # fmt: skip
+        cells.append(" / ".join("–" if p is None else f"{p:.1f}" for p in peaks))
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller time budget per row (< 2 minutes)")
     parser.add_argument("--full", action="store_true", help="add the ~5M-parameter MLP")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="passes over all rows; the median ratio is reported")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--models", help="comma-separated subset of the models")
     parser.add_argument("--peak", nargs=3, metavar=("MODEL", "QUANTITY", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.peak:
         measure_peak(*args.peak)
         return
+    device = torch.device(args.device)
     budget = 0.4 if args.quick else 3.0
     names = ["mlp_15k", "cnn1d_40k", "mlp_1m"] + (["mlp_5m"] if args.full else [])
+    if args.models:
+        names = [n for n in names if n in args.models.split(",")] or args.models.split(",")
+    load_before = os.getloadavg()
+    started = time.perf_counter()
     rows = []
     for name in names:
         model, shape = make_model(name)
-        x, y = make_batch(shape)
-        base = baseline(model, x, y)
-        peaks = {}
+        model = model.to(device)
+        x, y = make_batch(shape, args.device)
+        base = synchronized(baseline(model, x, y), device)
+        peaks: dict[str, float] = {}
         if not args.quick or name == "mlp_1m":
-            peaks = {
-                m: peak_child(name, "third_order_vector", m, args.threads) for m in ("taylor", "torch.func", "autograd")
-            }
-            peaks["baseline"] = peak_child(name, "gradient", "baseline", args.threads)
+            for m in ("taylor", "torch.func", "autograd"):
+                peaks[m] = (
+                    peak_cuda(model, x, y, "third_order_vector", m)
+                    if device.type == "cuda"
+                    else peak_child(name, "third_order_vector", m, args.threads)
+                )
+            peaks["baseline"] = (
+                peak_cuda(model, x, y, "gradient", "baseline")
+                if device.type == "cuda"
+                else peak_child(name, "gradient", "baseline", args.threads)
+            )
+        jobs = []
         for (quantity, method), f in tasks(model, x, y).items():
             slow = method == "torch.func" and quantity.startswith("directional_k") and int(quantity[-1]) >= 4
             if args.quick and slow and name == "mlp_1m":
                 continue  # nested jvp of order ≥ 4 takes seconds per call on the 1M model
-            ratio = interleaved_ratio(f, base, budget)
+            jobs.append((quantity, method, synchronized(f, device)))
+        ratios: dict[tuple[str, str], list[float]] = {}
+        for _ in range(max(1, args.repeat)):
+            for quantity, method, f in jobs:
+                ratios.setdefault((quantity, method), []).append(interleaved_ratio(f, base, budget))
+        for quantity, method, _ in jobs:
             peak = peaks.get(method) if quantity == "third_order_vector" else None
             rows.append(
                 {
                     "model": name,
                     "quantity": quantity,
                     "method": method,
-                    "ratio_to_gradient": round(ratio, 3),
+                    "ratio_to_gradient": round(statistics.median(ratios[(quantity, method)]), 3),
                     "peak_mib": peak,
                 }
             )
@@ -214,10 +300,25 @@ def main() -> None:
                 }
             )
     greeks = greeks_timing()
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "batch": BATCH,
+        "torch": torch.__version__,
+        "load_average_before": [round(v, 2) for v in load_before],
+        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        "cpus": os.cpu_count(),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     if args.json:
-        print(json.dumps({"rows": rows, "greeks": greeks}))
+        print(json.dumps({"rows": rows, "greeks": greeks, "meta": meta}))
         return
-    print(f"threads={args.threads} batch={BATCH} torch={torch.__version__} (medians; ratio to one autograd.grad)")
+    print(
+        f"device={meta['device']} threads={args.threads} repeat={args.repeat} batch={BATCH} torch={torch.__version__} "
+        f"load average {meta['load_average_before']} -> {meta['load_average_after']} on {meta['cpus']} CPUs "
+        "(medians; ratio to one autograd.grad)"
+    )
     print(f"{'model':<10} {'quantity':<20} {'method':<26} {'ratio':>8} {'peak MiB':>9}")
     for r in rows:
         peak = "" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
@@ -226,6 +327,8 @@ def main() -> None:
         f"Greeks of {greeks['options']} calls: engine {greeks['engine_s']:.3f} s, "
         f"numpy/scipy analytic {greeks['numpy_analytic_s']:.3f} s"
     )
+    print()
+    print("\n".join(summary(rows)))
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def test_directional_derivatives_closed_form_cumulants(method):
             (m[5] - 10 * m[3] * m[2]).mean(),
         ]
     )
-    d = directional_derivatives(model, x, y, v, 5, method=method)
+    d = directional_derivatives(model, x, y, v, order=5, method=method)
     torch.testing.assert_close(d.values, expected.detach(), rtol=1e-11, atol=1e-13)
 
 
@@ -242,7 +242,7 @@ def test_non_finite_is_reported():
         for method in METHODS:
             assert not f(model, x, y, v, method=method).finite
     assert not gradient(model, x, y).finite
-    assert not directional_derivatives(model, x, y, v, 3).finite
+    assert not directional_derivatives(model, x, y, v, order=3).finite
     model, x, y, v = _logistic()
     assert third_order_vector(model, x, y, v).finite
     x[0, 0] = float("nan")

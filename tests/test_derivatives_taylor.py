@@ -88,8 +88,8 @@ def _setup(name: str, loss: str, batch: int = 4):
 def test_taylor_matches_nested_jvp_to_roundoff(name, loss):
     model, x, y, v = _setup(name, loss)
     program_for(model)  # every model above must be fully supported
-    taylor = directional_derivatives(model, x, y, v, 5, loss=loss, method="taylor")
-    nested = directional_derivatives(model, x, y, v, 5, loss=loss, method="torch.func")
+    taylor = directional_derivatives(model, x, y, v, order=5, loss=loss, method="taylor")
+    nested = directional_derivatives(model, x, y, v, order=5, loss=loss, method="torch.func")
     assert taylor.method == "taylor" and nested.method == "torch.func"
     scale = nested.values.abs().clamp_min(1.0)
     assert ((taylor.values - nested.values).abs() / scale).max() < 1e-12
@@ -111,7 +111,7 @@ def test_taylor_vectors_match_triple_backward(name, loss):
 def test_auto_picks_taylor_and_falls_back_for_unknown_modules():
     model, x, y, v = _setup("mlp", "cross_entropy")
     assert third_order_vector(model, x, y, v).method == "taylor"
-    assert directional_derivatives(model, x, y, v, 3).method == "taylor"
+    assert directional_derivatives(model, x, y, v, order=3).method == "taylor"
     torch.manual_seed(2)
     elu = nn.Sequential(nn.Linear(6, 4), nn.ELU(), nn.Linear(4, 3)).double()
     u = {k: torch.randn_like(p) for k, p in elu.named_parameters()}
@@ -128,13 +128,13 @@ def test_auto_picks_taylor_and_falls_back_for_unknown_modules():
 def test_taylor_per_example_matches_single_examples():
     model, x, y, v = _setup("cnn1d", "cross_entropy", batch=3)
     per = third_order_vector(model, x, y, v, per_example=True, method="taylor")
-    dirs = directional_derivatives(model, x, y, v, 4, per_example=True, method="taylor")
+    dirs = directional_derivatives(model, x, y, v, order=4, per_example=True, method="taylor")
     assert dirs.values.shape == (3, 5)
     for i in range(3):
         one = third_order_vector(model, x[i : i + 1], y[i : i + 1], v, method="autograd")
         for k in v:
             torch.testing.assert_close(per.vector[k][i], one.vector[k], rtol=1e-10, atol=1e-12)
-        ref = directional_derivatives(model, x[i : i + 1], y[i : i + 1], v, 4, method="torch.func")
+        ref = directional_derivatives(model, x[i : i + 1], y[i : i + 1], v, order=4, method="torch.func")
         torch.testing.assert_close(dirs.values[i], ref.values, rtol=1e-10, atol=1e-12)
 
 
@@ -143,7 +143,7 @@ def test_taylor_reports_non_finite():
     v = {k: t.clone() for k, t in v.items()}
     v["0.weight"][0, 0] = float("nan")
     assert not third_order_vector(model, x, y, v, method="taylor").finite
-    assert not directional_derivatives(model, x, y, v, 3, method="taylor").finite
+    assert not directional_derivatives(model, x, y, v, order=3, method="taylor").finite
 
 
 def test_taylor_float32_matches_float64_reference():
@@ -152,12 +152,29 @@ def test_taylor_float32_matches_float64_reference():
     x, y = torch.randn(8, 1, 8), torch.randint(0, 3, (8,))
     v = {k: torch.randn_like(p) for k, p in model.named_parameters()}
     t32 = third_order_vector(model, x, y, v, method="taylor")
-    d32 = directional_derivatives(model, x, y, v, 4, method="taylor")
+    d32 = directional_derivatives(model, x, y, v, order=4, method="taylor")
     assert t32.vector["0.weight"].dtype == torch.float32 and d32.values.dtype == torch.float32
     model64 = model.double()
     v64 = {k: t.double() for k, t in v.items()}
     t64 = third_order_vector(model64, x.double(), y, v64, method="autograd")
-    d64 = directional_derivatives(model64, x.double(), y, v64, 4, method="torch.func")
+    d64 = directional_derivatives(model64, x.double(), y, v64, order=4, method="torch.func")
     for k in v:
         torch.testing.assert_close(t32.vector[k].double(), t64.vector[k], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(d32.values.double(), d64.values, rtol=1e-4, atol=1e-5)
+
+
+def test_forward_hooks_are_not_skipped():
+    # torch.fx does not run hooks: Taylor mode must refuse, and auto must fall back to a formulation that runs them
+    model, x, y, v = _setup("mlp", "cross_entropy")
+    handle = model[1].register_forward_hook(lambda module, inputs, output: 2.0 * output)
+    try:
+        with pytest.raises(Unsupported, match="forward hooks"):
+            third_order_vector(model, x, y, v, method="taylor")
+        res = third_order_vector(model, x, y, v)
+        ref = third_order_vector(model, x, y, v, method="autograd")
+        assert res.method == "torch.func"
+        for k in v:
+            torch.testing.assert_close(res.vector[k], ref.vector[k], rtol=1e-10, atol=1e-12)
+    finally:
+        handle.remove()
+    assert third_order_vector(model, x, y, v).method == "taylor"  # traced again once the hook is gone

@@ -1,6 +1,8 @@
 """Higher-order derivative engine: gradients, HVPs, third-order vectors and directional derivatives.
 
-Imports torch only.  See :mod:`fedhog.derivatives.engine` for the entry points.
+Imports torch only.  See :mod:`fedhog.derivatives.engine` for the entry points;
+``direction`` arguments and ``res.vector`` results are dicts keyed like
+``dict(model.named_parameters())``.
 """
 
 from .api import HigherOrderResult, eval_mode
@@ -11,13 +13,19 @@ from .engine import (
     hessian_vector_product,
     third_order_vector,
 )
+from .errors import Unsupported, UntrustedOperation
 from .greeks import black_scholes_call, call_greeks
 from .losses import cross_entropy, mse
-from .step_size import StepSize, cubic_step, third_order_step_size
+from .step_size import STEP_REASONS, StepSize, cubic_step, third_order_step_size
+from .trusted import TrustedDerivatives
 
 __all__ = [
     "HigherOrderResult",
+    "STEP_REASONS",
     "StepSize",
+    "TrustedDerivatives",
+    "Unsupported",
+    "UntrustedOperation",
     "black_scholes_call",
     "call_greeks",
     "cubic_step",

@@ -4,44 +4,89 @@
 (fastest first as measured by ``simulations/bench_derivatives.py``): Taylor mode
 (:mod:`.taylor`) when every operation of the model and the loss has a Taylor
 rule, then nested ``autograd``/``torch.func``; the result's ``method`` says
-which ran.
+which ran.  The ``torch.func``/``autograd`` formulations run inside
+:class:`~fedhog.derivatives.trusted.TrustedDerivatives`, so normalisation
+layers take a formulation whose higher derivatives are right.
+
+Data arguments (``model, inputs, targets[, direction]``) are positional; every
+option (``order``, ``loss``, ``method``, ``per_example``) is keyword-only.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import grad
 
 from . import functional as fn
-from .api import Compute, HigherOrderResult, Params, batch_objective, check_direction, evaluate, finish, model_state
-from .losses import LossFn, get_loss
-from .taylor import LOSS_SERIES, TaylorProgram, Unsupported, loss_series, program_for
+from .api import (
+    Compute,
+    HigherOrderResult,
+    Params,
+    batch_objective,
+    check_direction,
+    check_flag,
+    check_model,
+    check_order,
+    check_tensor,
+    describe,
+    evaluate,
+    finish,
+    model_state,
+)
+from .errors import Unsupported
+from .losses import LOSSES, LossFn, get_loss
+from .taylor import LOSS_SERIES, TaylorProgram, loss_series, program_for
+from .trusted import TrustedDerivatives
 
 METHODS = ("auto", "taylor", "torch.func", "autograd")
 Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
 
+_GAPS = ("derivative for", "forward ad", "not implemented", "inplace operation", "does not support")
+"""Phrases of PyTorch errors that mean an operation lacks a derivative of the needed kind or order."""
 
-def _program(model: nn.Module, loss: str | LossFn) -> TaylorProgram | None:
+
+def _program(model: nn.Module, loss: str | LossFn) -> TaylorProgram | Unsupported:
+    """The model's Taylor program, or why Taylor mode cannot run (a fresh exception, not raised)."""
     if not isinstance(loss, str) or loss not in LOSS_SERIES:
-        return None
+        return Unsupported(f"Taylor mode needs a named loss {sorted(LOSS_SERIES)}; got {describe(loss)}")
     try:
         return program_for(model)
-    except Unsupported:
-        return None
+    except Unsupported as exc:
+        return exc
 
 
 def _reference(model: nn.Module, loss: str | LossFn, formulation: Formulation) -> Compute:
+    """Run a ``torch.func``/``autograd`` formulation with normalisations routed to trusted forms."""
     loss_fn = get_loss(loss)
 
     def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
-        return formulation(batch_objective(model, buffers, loss_fn, x, y), params)
+        with TrustedDerivatives():
+            return formulation(batch_objective(model, buffers, loss_fn, x, y), params)
 
     return compute
+
+
+def _check_common(model: Any, inputs: Any, targets: Any, loss: Any, method: Any, per_example: Any) -> None:
+    check_model(model)
+    check_tensor("inputs", inputs)
+    check_tensor("targets", targets)
+    if not (callable(loss) or (isinstance(loss, str) and loss in LOSSES)):
+        raise ValueError(
+            f"loss must be one of {sorted(LOSSES)} or a callable (outputs, targets) -> scalar; got {describe(loss)}"
+        )
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {describe(method)}")
+    check_flag("per_example", per_example)
+
+
+def _is_gap(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, NotImplementedError)) and any(g in text for g in _GAPS)
 
 
 def _run(
@@ -51,38 +96,59 @@ def _run(
     targets: Tensor,
     method: str,
     per_example: bool,
-    computes: dict[str, Compute | None],
+    computes: dict[str, Compute | Unsupported],
+    quantity: str,
 ) -> HigherOrderResult:
-    """Resolve ``method`` among the available ``computes`` and run it; auto falls back on ``Unsupported``."""
+    """Resolve ``method`` among ``computes`` (fastest first) and run it.
+
+    ``"auto"`` moves on to the next formulation when one raises
+    :class:`Unsupported` or PyTorch lacks a derivative it needs; an explicit
+    ``method`` raises :class:`Unsupported` instead.  When nothing is left, the
+    last reason is raised with its type (e.g. :class:`UntrustedOperation`).
+    """
     start = time.perf_counter()
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if per_example:
         computes = {k: c for k, c in computes.items() if k != "autograd"}
-    available = [k for k, c in computes.items() if c is not None]
-    if method != "auto":
-        if method not in available:
-            raise ValueError(f"method {method!r} is not available here; use one of {available}")
-        available = [method]
-    for i, name in enumerate(available):
+    if method == "auto":
+        candidates = list(computes)
+    elif method in computes:
+        candidates = [method]
+    else:
+        where = " per example" if per_example else ""
+        raise ValueError(
+            f"method={method!r} is not available for the {quantity}{where}; expected one of {('auto', *computes)}"
+        )
+    failures: list[tuple[str, Unsupported]] = []
+    for name in candidates:
+        compute = computes[name]
         try:
-            out, value = evaluate(model, state, inputs, targets, computes[name], per_example)  # type: ignore[arg-type]
-        except Unsupported:
-            if method != "auto" or i == len(available) - 1:
+            if isinstance(compute, Unsupported):
+                raise compute
+            out, value = evaluate(model, state, inputs, targets, compute, per_example)
+        except Unsupported as exc:
+            failures.append((name, exc))
+            continue
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _is_gap(exc):
                 raise
+            failures.append((name, Unsupported(f"PyTorch lacks a derivative: {str(exc).splitlines()[0]}")))
             continue
         return finish(out, value, name, start)
-    raise AssertionError("unreachable")
+    reasons = "; ".join(f"method={name!r}: {exc}" for name, exc in failures)
+    last = failures[-1][1]
+    raise type(last)(f"cannot compute the {quantity} of this model ({reasons})") from last
 
 
 def _taylor_grad(
-    program: TaylorProgram, loss: str, v: Params, n: int, k: int, scale: float, per_example: bool
-) -> Compute:
+    program: TaylorProgram | Unsupported, loss: str, v: Params, n: int, k: int, scale: float, per_example: bool
+) -> Compute | Unsupported:
     """``∇_θ (scale · c_k)`` where ``c`` are the Taylor coefficients of ``L(θ + s v)``.
 
     One reverse pass through the series propagation: ``torch.func.grad`` under
     ``vmap`` (per example), plain ``autograd.grad`` otherwise (less dispatch overhead).
     """
+    if isinstance(program, Unsupported):
+        return program
 
     def coefficient(p: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         c = loss_series(program, loss, p, buffers, v, x, y, n)
@@ -104,6 +170,43 @@ def _taylor_grad(
     return functional if per_example else reverse
 
 
+_ARGS_DOC = """
+    Parameters
+    ----------
+    model : nn.Module
+        Evaluated with its current parameters and buffers in eval mode.  A
+        parameter shared by several layers (tied weights) is one parameter,
+        named once, as in ``model.named_parameters()``.
+    inputs, targets : Tensor
+        One batch; ``L`` is the mean loss over it.
+    direction : dict[str, Tensor]
+        ``v`` (every quantity but the gradient and the Hessian), keyed like
+        ``dict(model.named_parameters())``, each entry of the parameter's shape
+        (not a flat vector).
+    loss : {"cross_entropy", "mse"} or callable, keyword-only
+        Loss ``(outputs, targets) -> scalar``; Taylor mode needs a named loss.
+    method : {"auto", "taylor", "torch.func", "autograd"}, keyword-only
+        Formulation; ``"auto"`` tries the fastest first and falls back.
+    per_example : bool, keyword-only
+        One result per example (leading batch dimension) via ``vmap``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an argument of the wrong type or value; the message names it.
+    Unsupported
+        When ``method`` cannot differentiate the model (``"auto"``: no method can).
+    UntrustedOperation
+        When the model calls a kernel whose higher derivatives PyTorch gets wrong.
+"""
+
+
+def _doc(f: Callable[..., Any]) -> Callable[..., Any]:
+    f.__doc__ = (f.__doc__ or "") + _ARGS_DOC
+    return f
+
+
+@_doc
 def gradient(
     model: nn.Module,
     inputs: Tensor,
@@ -113,32 +216,20 @@ def gradient(
     method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Gradient ``∇_θ L``.
-
-    Parameters
-    ----------
-    model : nn.Module
-        Evaluated with its current parameters and buffers in eval mode.
-    inputs, targets : Tensor
-        One batch; ``L`` is the mean loss over it.
-    loss : {"cross_entropy", "mse"} or callable
-        Loss ``(outputs, targets) -> scalar``; Taylor mode needs a named loss.
-    method : {"auto", "taylor", "torch.func", "autograd"}
-        Formulation; ``"auto"`` picks the fastest available.
-    per_example : bool
-        One result per example (leading batch dimension) via ``vmap``.
-    """
+    """Gradient ``∇_θ L`` in ``res.vector``, keyed like ``dict(model.named_parameters())``."""
+    _check_common(model, inputs, targets, loss, method, per_example)
     program = _program(model, loss)
     state = model_state(model)
     unused = state[0]  # an order-0 series never reads the direction
-    computes: dict[str, Compute | None] = {
+    computes: dict[str, Compute | Unsupported] = {
         "autograd": _reference(model, loss, fn.autograd_gradient),
         "torch.func": _reference(model, loss, fn.func_gradient),
-        "taylor": None if program is None else _taylor_grad(program, loss, unused, 1, 0, 1.0, per_example),  # type: ignore[arg-type]
+        "taylor": _taylor_grad(program, loss, unused, 1, 0, 1.0, per_example),  # type: ignore[arg-type]
     }
-    return _run(model, state, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes, "gradient")
 
 
+@_doc
 def hessian_vector_product(
     model: nn.Module,
     inputs: Tensor,
@@ -149,22 +240,23 @@ def hessian_vector_product(
     method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Hessian-vector product ``∇²_θ L · v``; arguments as in :func:`gradient`.
+    """Hessian-vector product ``∇²_θ L · v`` in ``res.vector``, keyed like ``direction``.
 
-    ``direction`` is keyed like ``dict(model.named_parameters())`` with the same shapes.
     Taylor mode differentiates the first Taylor coefficient: ``∇_θ (vᵀ ∇L)``.
     """
+    _check_common(model, inputs, targets, loss, method, per_example)
     state = model_state(model)
     v = check_direction(direction, state[0])
     program = _program(model, loss)
-    computes: dict[str, Compute | None] = {
-        "taylor": None if program is None else _taylor_grad(program, loss, v, 2, 1, 1.0, per_example),  # type: ignore[arg-type]
+    computes: dict[str, Compute | Unsupported] = {
+        "taylor": _taylor_grad(program, loss, v, 2, 1, 1.0, per_example),  # type: ignore[arg-type]
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
         "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
     }
-    return _run(model, state, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes, "Hessian-vector product")
 
 
+@_doc
 def third_order_vector(
     model: nn.Module,
     inputs: Tensor,
@@ -175,41 +267,44 @@ def third_order_vector(
     method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Third-order vector ``t = ∇_θ (vᵀ ∇²_θ L v)``; arguments as in :func:`hessian_vector_product`.
+    """Third-order vector ``t = ∇_θ (vᵀ ∇²_θ L v)`` in ``res.vector``, keyed like ``direction``.
 
     Taylor mode propagates the order-2 series of ``L(θ + s v)`` and differentiates
-    ``2 c₂ = vᵀ∇²L v`` with one reverse pass.
+    ``2 c₂ = vᵀ∇²L v`` with one reverse pass; the fallbacks are reverse-over-forward-
+    over-forward ``torch.func`` and triple backward.
     """
+    _check_common(model, inputs, targets, loss, method, per_example)
     state = model_state(model)
     v = check_direction(direction, state[0])
     program = _program(model, loss)
-    computes: dict[str, Compute | None] = {
-        "taylor": None if program is None else _taylor_grad(program, loss, v, 3, 2, 2.0, per_example),  # type: ignore[arg-type]
+    computes: dict[str, Compute | Unsupported] = {
+        "taylor": _taylor_grad(program, loss, v, 3, 2, 2.0, per_example),  # type: ignore[arg-type]
         "torch.func": _reference(model, loss, lambda f, p: fn.func_third_order(f, p, v)),
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_third_order(f, p, v)),
     }
-    return _run(model, state, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes, "third-order vector")
 
 
+@_doc
 def directional_derivatives(
     model: nn.Module,
     inputs: Tensor,
     targets: Tensor,
     direction: Params,
-    order: int,
     *,
+    order: int,
     loss: str | LossFn = "cross_entropy",
     method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Derivatives ``dᵏ/dsᵏ L(θ + s v)`` at ``s = 0`` for ``k = 0 … order``.
+    """Derivatives ``dᵏ/dsᵏ L(θ + s v)`` at ``s = 0`` for ``k = 0 … order`` (``order`` keyword-only).
 
     The result's ``values[k]`` is the ``k``-th derivative (``values[0] = L``); per
     example, ``values`` has shape ``[B, order + 1]``.  Methods: ``"taylor"``
     (one forward pass of order-``order`` series) or ``"torch.func"`` (nested ``jvp``).
     """
-    if order < 0:
-        raise ValueError("order must be non-negative")
+    _check_common(model, inputs, targets, loss, method, per_example)
+    order = check_order(order)
     state = model_state(model)
     v = check_direction(direction, state[0])
     program = _program(model, loss)
@@ -225,11 +320,11 @@ def directional_derivatives(
         d = fn.func_directional(f, params, v, order)
         return d, d[0]
 
-    computes: dict[str, Compute | None] = {
-        "taylor": None if program is None else taylor,
+    computes: dict[str, Compute | Unsupported] = {
+        "taylor": program if isinstance(program, Unsupported) else taylor,
         "torch.func": _reference(model, loss, nested),
     }
-    return _run(model, state, inputs, targets, method, per_example, computes)
+    return _run(model, state, inputs, targets, method, per_example, computes, "directional derivatives")
 
 
 def hessian(
@@ -238,15 +333,18 @@ def hessian(
     targets: Tensor,
     *,
     loss: str | LossFn = "cross_entropy",
+    method: str = "auto",
     per_example: bool = False,
 ) -> HigherOrderResult:
-    """Dense Hessian ``[P, P]`` over parameters flattened in ``named_parameters`` order.
+    """Dense Hessian ``[P, P]`` in ``res.values``, over parameters flattened in ``named_parameters`` order.
 
-    Meant for small models: memory grows as ``P²``.
+    Meant for small models: memory grows as ``P²``.  ``method`` is ``"auto"`` or
+    ``"torch.func"`` (forward-over-reverse); other arguments as in :func:`gradient`.
     """
+    _check_common(model, inputs, targets, loss, method, per_example)
 
     def dense(f: Callable[[Params], Tensor], params: Params) -> tuple[Tensor, Tensor]:
         return fn.func_hessian(f, params), f(params)
 
-    computes: dict[str, Compute | None] = {"torch.func": _reference(model, loss, dense)}
-    return _run(model, model_state(model), inputs, targets, "torch.func", per_example, computes)
+    computes: dict[str, Compute | Unsupported] = {"torch.func": _reference(model, loss, dense)}
+    return _run(model, model_state(model), inputs, targets, method, per_example, computes, "Hessian")

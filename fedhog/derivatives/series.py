@@ -88,6 +88,17 @@ def reciprocal(b: Series, n: int) -> Series:
     return tuple(q)
 
 
+def power(u: Series, n: int, alpha: float) -> Series:
+    """``u^alpha`` for ``u₀ > 0``: ``u y' = alpha y u'``, so
+    ``y_k = (1/u₀) Σ_{i=1..k} ((alpha + 1) i/k − 1) u_i y_{k−i}``."""
+    y = [torch.rsqrt(u[0]) if alpha == -0.5 else u[0] ** alpha]
+    inv = 1 / u[0]
+    for k in range(1, n):
+        terms = [((alpha + 1) * i / k - 1, u[i], y[k - i]) for i in range(1, min(k, len(u) - 1) + 1)]
+        y.append(combine([t for t in terms if t[0] != 0.0], u[0]) * inv)
+    return tuple(y)
+
+
 def tanh(z: Series, n: int) -> Series:
     """``tanh(z)``: ``y' = (1 − y²) z'``."""
     y = [torch.tanh(z[0])]

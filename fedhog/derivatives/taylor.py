@@ -5,14 +5,19 @@ tensor (independent of ``s``) or a :class:`Jet` of normalised Taylor
 coefficients.  Parameters enter as the order-1 jets ``(θ, v)``; bilinear layers
 (linear, convolution, matmul) sum their coefficient pairs (Leibniz rule),
 activations use the series recurrences of :mod:`.series`, and piecewise-linear
-ones (ReLU, max-pooling) are exact away from their kinks.  An operation without
-a rule raises :class:`Unsupported` so the caller can fall back to nested
-``torch.func``.
+ones (ReLU, max-pooling) are exact away from their kinks, and the
+normalisation layers (LayerNorm, GroupNorm, RMSNorm, eval-mode BatchNorm) are
+written as mean/variance/``rsqrt`` series, never through PyTorch's fused
+kernels (whose higher-order derivatives are wrong, see :mod:`.trusted`).  A
+parameter shared by several layers (tied weights) enters as the same jet at
+every use.  An operation without a rule raises :class:`Unsupported` so the
+caller can fall back to nested ``torch.func``.
 """
 
 from __future__ import annotations
 
 import builtins
+import inspect
 import operator
 import weakref
 from typing import Any, Callable, Sequence
@@ -22,14 +27,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import series
+from . import products, series, trusted
 from .api import eval_mode
+from .errors import Unsupported
 
 Params = dict[str, Tensor]
-
-
-class Unsupported(Exception):
-    """The model or loss uses an operation without a Taylor-mode rule."""
 
 
 class Jet:
@@ -101,17 +103,9 @@ def per_coefficient(f: Callable[..., Tensor], args: tuple, kwargs: dict, zero_co
 def bilinear(op: Callable[[Tensor, Tensor], Tensor], x: Jet | Tensor, w: Jet | Tensor, n: int) -> Jet | Tensor:
     """``(x·w)_k = Σ_{i+j=k} op(x_i, w_j)`` for an operation linear in each argument.
 
-    One call per coefficient pair: batching coefficients into one call would need
-    a stacked copy of ``x`` that the reverse pass keeps alive as well, and costs
-    more time than it saves on the benchmark models.
+    Products as in :func:`.products.series_product` (Karatsuba pairs for large layers).
     """
-    xs, ws = _series(x), _series(w)
-    n_out = min(n, len(xs) + len(ws) - 1)
-    terms: list[list[Tensor]] = [[] for _ in range(n_out)]
-    for j, wj in enumerate(ws[:n_out]):
-        for i in range(min(len(xs), n_out - j)):
-            terms[i + j].append(op(xs[i], wj))
-    return _wrap([sum(t[1:], t[0]) for t in terms])
+    return _wrap(products.series_product(op, _series(x), _series(w), n))
 
 
 def _mul(a: Any, b: Any, n: int) -> Any:
@@ -141,6 +135,10 @@ def _fold_bias(op: Callable[..., Tensor], x: Any, w: Any, b: Any, n: int) -> Any
 
 
 def _linear_rule(n: int, x: Any, w: Any, b: Any = None) -> Any:
+    xs, ws = _series(x), _series(w)
+    if products.karatsuba_linear_applies(xs, ws, n):
+        y = _wrap(products.karatsuba_linear(xs, ws[0], ws[1]))
+        return y if b is None else _add(y, b)
     return _fold_bias(F.linear, x, w, b, n)
 
 
@@ -229,7 +227,8 @@ def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
     method = isinstance(target, str)
     f: Callable[..., Any] = (lambda obj, *a, **k: getattr(obj, target)(*a, **k)) if method else target
     if target in _SMOOTH:
-        if kwargs or len(args) != 1:
+        inplace = kwargs.get("inplace", args[1] if len(args) == 2 else False)
+        if set(kwargs) - {"inplace"} or len(args) > 2 or inplace is not False:
             raise Unsupported(f"{target} with extra arguments")
         return _unary(_SMOOTH[target], args[0], n)
     if target is F.gelu:
@@ -263,6 +262,8 @@ def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
         return _linear_rule(n, *args, **kwargs)
     if target in (F.conv1d, F.conv2d):
         return _conv_rule(target)(n, *args, **kwargs)
+    if target in _NORM_FUNCTIONS:
+        return _norm_call(target, n, args, kwargs)
     raise Unsupported(f"no Taylor rule for {target}")
 
 
@@ -286,6 +287,91 @@ def _batchnorm(n: int, m: nn.Module, x: Any, w: Any, b: Any) -> Any:
     if b is not None:
         y = _add(y, per_coefficient(lambda t: t.view(shape), (b,), {}, False))
     return y
+
+
+def _reshaped(x: Any, shape: tuple[int, ...]) -> Any:
+    return per_coefficient(lambda t: t.reshape(shape), (x,), {}, False)
+
+
+def _affine(n: int, y: Any, w: Any, b: Any, shape: tuple[int, ...]) -> Any:
+    """``y · w + b`` with ``w`` and ``b`` reshaped to ``shape`` (either may be ``None``)."""
+    if w is not None:
+        y = _mul(y, _reshaped(w, shape), n)
+    if b is not None:
+        y = _add(y, _reshaped(b, shape))
+    return y
+
+
+def _normalize(n: int, x: Any, dims: tuple[int, ...], eps: float) -> Any:
+    """Series of ``(x − mean) · rsqrt(var + eps)`` over ``dims``: mean, square, mean, power −½, product."""
+    if not isinstance(x, Jet):
+        return trusted.normalize(x, dims, eps)
+    d = tuple(c - c.mean(dims, keepdim=True) for c in x.coeffs)
+    var = [c.mean(dims, keepdim=True) for c in series.square(d, n)]
+    var[0] = var[0] + eps
+    return Jet(series.mul(d, series.power(tuple(var), n, -0.5), n))
+
+
+def _trailing(normalized_shape: Any) -> int:
+    return 1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape))
+
+
+def _layer_norm(n: int, x: Any, normalized_shape: Any, w: Any = None, b: Any = None, eps: float = 1e-5) -> Any:
+    k = _trailing(normalized_shape)
+    xp = _series(x)[0]
+    y = _normalize(n, x, tuple(range(-k, 0)), eps)
+    return _affine(n, y, w, b, tuple(xp.shape[xp.dim() - k :]))
+
+
+def _group_norm(n: int, x: Any, num_groups: int, w: Any = None, b: Any = None, eps: float = 1e-5) -> Any:
+    xp = _series(x)[0]
+    grouped = _reshaped(x, (xp.shape[0], num_groups, -1))
+    y = _reshaped(_normalize(n, grouped, (-1,), eps), tuple(xp.shape))
+    return _affine(n, y, w, b, trusted.channel_shape(xp))
+
+
+def _rms_norm(n: int, x: Any, normalized_shape: Any, w: Any = None, eps: float | None = None) -> Any:
+    k = _trailing(normalized_shape)
+    xp = _series(x)[0]
+    dims = tuple(range(-k, 0))
+    eps = torch.finfo(xp.dtype).eps if eps is None else eps
+    if isinstance(x, Jet):
+        ms = [c.mean(dims, keepdim=True) for c in series.square(x.coeffs, n)]
+        ms[0] = ms[0] + eps
+        y: Any = Jet(series.mul(x.coeffs, series.power(tuple(ms), n, -0.5), n))
+    else:
+        y = x * torch.rsqrt((x * x).mean(dims, keepdim=True) + eps)
+    return _affine(n, y, w, None, tuple(xp.shape[xp.dim() - k :]))
+
+
+def _bound(signature_of: Callable[..., Any], names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Arguments of a call by name (``names`` in positional order for builtins without a signature)."""
+    try:
+        return dict(inspect.signature(signature_of).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        out = dict(zip(names, args))
+        out.update(kwargs)
+        return out
+
+
+_LN_ARGS = ("input", "normalized_shape", "weight", "bias", "eps")
+_GN_ARGS = ("input", "num_groups", "weight", "bias", "eps")
+_RMS_ARGS = ("input", "normalized_shape", "weight", "eps")
+
+
+def _norm_call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
+    """``F.layer_norm``/``torch.layer_norm``, ``F.group_norm``, ``F.rms_norm`` as series."""
+    if target in (F.layer_norm, torch.layer_norm):
+        a = _bound(F.layer_norm, _LN_ARGS, args[:5], {k: v for k, v in kwargs.items() if k != "cudnn_enable"})
+        return _layer_norm(n, a["input"], a["normalized_shape"], a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+    if target is F.group_norm:
+        a = _bound(F.group_norm, _GN_ARGS, args, kwargs)
+        return _group_norm(n, a["input"], a["num_groups"], a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+    a = _bound(F.rms_norm, _RMS_ARGS, args, kwargs)
+    return _rms_norm(n, a["input"], a["normalized_shape"], a.get("weight"), a.get("eps"))
+
+
+_NORM_FUNCTIONS = {F.layer_norm, torch.layer_norm, F.group_norm, F.rms_norm}
 
 
 def _max_pool(m: nn.Module, x: Any) -> Any:
@@ -328,6 +414,12 @@ def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
         return lambda n, x, w, b: per_coefficient(m, (x,), {}, False)
     if t in (nn.BatchNorm1d, nn.BatchNorm2d) and m.track_running_stats:
         return lambda n, x, w, b: _batchnorm(n, m, x, w, b)
+    if t is nn.LayerNorm:
+        return lambda n, x, w, b: _layer_norm(n, x, m.normalized_shape, w, b, m.eps)
+    if t is nn.GroupNorm:
+        return lambda n, x, w, b: _group_norm(n, x, m.num_groups, w, b, m.eps)
+    if t is nn.RMSNorm:
+        return lambda n, x, w, b: _rms_norm(n, x, m.normalized_shape, w, m.eps)
     return None
 
 
@@ -335,52 +427,95 @@ def _function_supported(target: Any) -> bool:
     known = set(_SMOOTH) | _LINEAR_OPS | _AFFINE_OPS | _PRIMAL_OPS
     known |= {F.gelu, F.softplus, F.leaky_relu, F.linear, F.conv1d, F.conv2d}
     known |= {operator.mul, torch.mul, "mul", operator.truediv, torch.div, "div"}
-    known |= {operator.matmul, torch.matmul, "matmul"}
+    known |= {operator.matmul, torch.matmul, "matmul"} | _NORM_FUNCTIONS
     try:
         return target in known
     except TypeError:
         return False
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_globals
+
+    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
+
+
+def _hooks(model: nn.Module) -> list[str]:
+    """Names of modules with forward hooks (``torch.fx`` does not run them)."""
+    found = [name or "<model>" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    return found + (["<global forward hooks>"] if _global_hooks() else [])
+
+
 class TaylorProgram:
     """A model traced with ``torch.fx`` whose every node has a Taylor rule.
+
+    Parameters are looked up by their name in ``model.named_parameters()``; a
+    parameter reachable under several names (tied weights) is one jet at every
+    use.
 
     Raises
     ------
     Unsupported
-        If tracing fails or a node has no rule.
+        If tracing fails, a node has no rule, a leaf module owns parameters other
+        than ``weight``/``bias`` (its rule would treat them as constants), or a
+        module has forward hooks.
     """
 
     def __init__(self, model: nn.Module) -> None:
+        hooked = _hooks(model)
+        if hooked:
+            raise Unsupported(f"forward hooks on {hooked} (torch.fx does not run them)")
         try:
             with eval_mode(model):
                 self.graph_module = torch.fx.symbolic_trace(model)
         except Exception as exc:  # fx raises many kinds of errors on untraceable code
             raise Unsupported(f"torch.fx could not trace the model: {exc}") from exc
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        canonical_buffers = {id(b): name for name, b in model.named_buffers()}
+        try:
+            self.param_names = {
+                alias: canonical[id(p)] for alias, p in self.graph_module.named_parameters(remove_duplicate=False)
+            }
+            self.buffer_names = {
+                alias: canonical_buffers[id(b)] for alias, b in self.graph_module.named_buffers(remove_duplicate=False)
+            }
+        except KeyError as exc:
+            raise Unsupported("the traced model holds a parameter or buffer the model does not list") from exc
         self.rules: dict[str, Callable[..., Any]] = {}
         placeholders = 0
         for node in self.graph_module.graph.nodes:
             if node.op == "placeholder":
                 placeholders += 1
             elif node.op == "call_module":
-                rule = _module_rule(self.graph_module.get_submodule(node.target))
+                sub = self.graph_module.get_submodule(node.target)
+                rule = _module_rule(sub)
                 if rule is None:
-                    raise Unsupported(f"no Taylor rule for module {node.target!r}")
+                    raise Unsupported(f"no Taylor rule for module {node.target!r} ({type(sub).__name__})")
+                owned = {name for name, _ in sub.named_parameters()} - {"weight", "bias"}
+                if owned:
+                    raise Unsupported(f"module {node.target!r} has parameters {sorted(owned)} its rule does not read")
                 self.rules[node.target] = rule
             elif node.op in ("call_function", "call_method") and not _function_supported(node.target):
                 raise Unsupported(f"no Taylor rule for {node.target}")
         if placeholders != 1:
             raise Unsupported("Taylor mode supports models with exactly one input")
 
+    def __repr__(self) -> str:
+        nodes = sum(1 for _ in self.graph_module.graph.nodes)
+        tied = len(self.param_names) - len(set(self.param_names.values()))
+        return f"TaylorProgram(nodes={nodes}, parameters={len(set(self.param_names.values()))}, tied_aliases={tied})"
+
     def __call__(self, params: Params, buffers: Params, direction: Params, inputs: Tensor, n: int) -> Jet | Tensor:
         """Return the first ``n`` Taylor coefficients of ``model(inputs; θ + s v)``."""
         env: dict[torch.fx.Node, Any] = {}
 
         def tensor(name: str) -> Any:
-            if name in params:
-                return Jet((params[name], direction[name]))
-            if name in buffers:
-                return buffers[name]
+            canonical = self.param_names.get(name)
+            if canonical is not None:
+                return Jet((params[canonical], direction[canonical]))
+            canonical = self.buffer_names.get(name)
+            if canonical is not None:
+                return buffers[canonical]
             obj: Any = self.graph_module
             for part in name.split("."):
                 obj = getattr(obj, part, None)
@@ -405,21 +540,48 @@ class TaylorProgram:
         raise Unsupported("graph without output")
 
 
-_PROGRAMS: "weakref.WeakKeyDictionary[nn.Module, TaylorProgram | Unsupported]" = weakref.WeakKeyDictionary()
+def _structure(model: nn.Module) -> tuple[tuple, list[Any]]:
+    """Identity of every module, parameter and buffer under every name, and which modules have hooks.
+
+    Returns the signature and the objects it names: a cache entry keeps them
+    alive, so their ids cannot be reused by new objects while it is compared.
+    """
+    modules = list(model.named_modules(remove_duplicate=False))
+    params = list(model.named_parameters(remove_duplicate=False))
+    buffers = list(model.named_buffers(remove_duplicate=False))
+    signature = (
+        tuple((name, id(m), bool(m._forward_hooks or m._forward_pre_hooks)) for name, m in modules),
+        _global_hooks(),
+        tuple((name, id(p)) for name, p in params),
+        tuple((name, id(b)) for name, b in buffers),
+    )
+    # not the model itself: a value that held its key would keep the WeakKeyDictionary entry alive forever
+    return signature, [obj for _, obj in modules[1:] + params + buffers]
+
+
+_PROGRAMS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, TaylorProgram | str, list[Any]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def program_for(model: nn.Module) -> TaylorProgram:
-    """Return the cached :class:`TaylorProgram` of ``model``; raises :class:`Unsupported`."""
+    """Return the cached :class:`TaylorProgram` of ``model``; raises :class:`Unsupported`.
+
+    The program is traced again when a module, parameter or buffer of the model
+    has been replaced (re-tied weights, a swapped layer) or hooks were added.
+    """
+    signature, objects = _structure(model)
     cached = _PROGRAMS.get(model)
-    if cached is None:
+    if cached is None or cached[0] != signature:
         try:
-            cached = TaylorProgram(model)
+            program: TaylorProgram | str = TaylorProgram(model)
         except Unsupported as exc:
-            cached = exc
+            program = str(exc)
+        cached = (signature, program, objects)
         _PROGRAMS[model] = cached
-    if isinstance(cached, Unsupported):
-        raise cached
-    return cached
+    if isinstance(cached[1], str):
+        raise Unsupported(cached[1])  # a fresh exception: re-raising one instance would grow its traceback
+    return cached[1]
 
 
 def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tensor:
