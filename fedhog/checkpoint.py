@@ -42,6 +42,8 @@ class Checkpoint:
     job_id : str
         The training job's name, the same across resumes (DP-SGD clients keep
         their record-level accountants under it).
+    server_optimizer : dict, optional
+        :meth:`ServerOptimizer.state_dict` (momenta: functions of the releases).
     """
 
     round: int
@@ -50,6 +52,7 @@ class Checkpoint:
     rounds: list[dict[str, Any]]
     adaptive_clipping: dict[str, Any] | None = None
     job_id: str = ""
+    server_optimizer: dict[str, Any] | None = None
 
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:

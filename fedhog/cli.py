@@ -5,43 +5,98 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import subprocess
+import socket
 import sys
-import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.resources import as_file, files
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from .config import ConfigError, RunConfig, load_config, parse_override
-from .deploy import DeployError, deploy_local
+from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
+from .deploy import DeployError, deploy_local, simulate_local
 from .export import FORMATS, ExportError, export_model
 from .progress import console, format_value, read_metrics_file, watch_metrics
-from .results import config_to_toml, default_results_dir
+from .results import claim_results_dir, default_results_dir, describe_run, read_run_document, record_launch
 
-ENGINES = ("simulation", "inprocess")
-QUICKSTART = "configs/quickstart.toml"
+QUICKSTART = "quickstart.toml"  # ships inside the package (configs/quickstart.toml in a checkout links to it)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
+@dataclass(frozen=True)
+class Engine:
+    """One way of running the ServerApp and its clients on this machine (``fedhog run --engine NAME``).
+
+    ``run(config, client_cpus)`` trains to the end and raises on failure. With
+    ``in_process`` the CLI runs it in a thread and shows the progress itself;
+    otherwise ``run`` shows it.
+    """
+
+    help: str
+    run: Callable[[RunConfig, int], Any]
+    in_process: bool
+
+
+def _simulation(config: RunConfig, client_cpus: int) -> None:
+    simulate_local(config, client_cpus)
+
+
+def _inprocess(config: RunConfig, client_cpus: int) -> None:
+    from .client_app import app as client_app  # heavy imports only when running
+    from .engine import run_in_process
+    from .server_app import app as server_app
+
+    run_in_process(server_app, client_app, config.population, config.to_mapping())
+
+
+def _vectorized(config: RunConfig, client_cpus: int) -> None:
+    from .client_app import app as client_app  # heavy imports only when running
+    from .server_app import app as server_app
+    from .vectorized import run_vectorized
+
+    run_vectorized(server_app, client_app, config)
+
+
+ENGINES: dict[str, Engine] = {
+    "simulation": Engine("Flower's Simulation Engine (Ray) through `flwr run`, on a SuperLink fedhog starts "
+                         "and stops", _simulation, in_process=False),
+    "inprocess": Engine("the same apps through an in-process Flower Grid: no Ray, no SuperLink", _inprocess,
+                        in_process=True),
+    "vectorized": Engine("the in-process Grid training each sampled cohort as one batch (torch.func.vmap): the "
+                         "same results, many times faster", _vectorized, in_process=True),
+}
+DEFAULT_ENGINE = "simulation"
+
+
+class Refusal(Exception):
+    """Nothing to run, said politely: the message is printed and the command exits with ``code``."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``fedhog`` and its subcommands."""
     parser = argparse.ArgumentParser(prog="fedhog", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one federated training and report accuracy and ε")
     _add_config_arguments(run)
-    run.add_argument("--resume", metavar="RESULTS_DIR",
-                     help="continue a stopped run from its last checkpoint (same config, same folder)")
-    run.add_argument("--engine", choices=ENGINES, default="simulation",
-                     help="Flower's Simulation Engine (Ray, via `flwr run`) or the in-process engine")
-    run.add_argument("--client-cpus", type=int, default=1,
-                     help="CPUs per simulated client (Simulation Engine only)")
+    run.add_argument("--engine", choices=tuple(ENGINES), default=None,
+                     help="; ".join(f"{name}: {engine.help}" for name, engine in ENGINES.items())
+                     + f" (default: {DEFAULT_ENGINE}; a resumed run keeps its own)")
+    run.add_argument("--client-cpus", type=int, default=None,
+                     help="CPUs per simulated client (Simulation Engine only; default 1)")
     deploy = commands.add_parser("deploy-local", help="run on a real local deployment: a SuperLink and "
                                  "one SuperNode per client, started and stopped here")
     _add_config_arguments(deploy)
     deploy.add_argument("--nodes", type=int, help="SuperNodes to start; must equal population (default: population)")
-    deploy.add_argument("--tls", action="store_true", help="serve the SuperLink over TLS with a throwaway CA")
+    deploy.add_argument("--tls", action="store_true", default=None,
+                        help="serve the SuperLink over TLS with a throwaway CA")
     deploy.add_argument("--workdir", type=Path,
                         help="keep FLWR_HOME, certificates and the run config here (default: a temporary folder)")
     export = commands.add_parser("export", help="export the final model of a results folder for serving")
@@ -56,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--list", dest="list_only", action="store_true",
                        help="list the cells and which are finished; run nothing")
     sweep.add_argument("--threads", type=int, default=1, help="PyTorch threads while cells run (default: 1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
     if args.command == "sweep":
         from .sweep import sweep_command  # matplotlib and the sweep machinery only for sweeps
 
@@ -64,73 +124,195 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return export_command(args.results, args.fmt, args.out)
     try:
-        config = (_resume_config(args.resume, args.config, args.overrides) if getattr(args, "resume", None)
-                  else _resolve_config(args.config, args.overrides))
+        config, launch = _prepare(args)
     except ConfigError as error:
-        console.print(f"[bold red]config error:[/] {error}")
+        _error("config error", error)
         return 2
+    except Refusal as refusal:
+        console.print(escape(str(refusal)))
+        return refusal.code
     if args.command == "deploy-local":
-        return deploy_command(config, args.nodes or config.population, args.tls, args.workdir)
-    return run_command(config, args.engine, args.client_cpus)
+        return deploy_command(config, launch["nodes"], launch["tls"], args.workdir)
+    return run_command(config, launch["engine"], launch["client_cpus"])
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help=f"run-config TOML (default: {QUICKSTART})")
+    parser.add_argument("config", nargs="?", help="run-config TOML (default: fedhog's quickstart, "
+                        "configs/quickstart.toml in a checkout)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key (repeatable), e.g. --set noise-multiplier=1.2")
+    parser.add_argument("--resume", metavar="RESULTS_DIR",
+                        help="continue a stopped run from its last checkpoint: same config, engine and folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in results-dir (its files only) instead of refusing")
 
 
-def _resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
-    if path is None:
-        path = str(_find_quickstart())
-    config = load_config(path, dict(parse_override(o) for o in overrides))
-    results_dir = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
-    return config.with_overrides({"results-dir": str(results_dir)})
+def _prepare(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
+    """The validated config and how to launch it; the results folder claimed and the launch recorded in it."""
+    given = _given_launch(args)
+    if args.resume:
+        if args.config or args.overrides or args.overwrite:
+            raise ConfigError("--resume takes the config saved in the results folder; give no CONFIG, --set "
+                              "or --overwrite")
+        config, launch = _resume(args.command, Path(args.resume), given)
+    else:
+        notes: list[str] = []
+        path = Path(args.config) if args.config else None
+        if path is None:
+            with as_file(files("fedhog") / QUICKSTART) as quickstart:
+                config = load_config(quickstart, dict(parse_override(o) for o in args.overrides), notes)
+        else:
+            config = load_config(path, dict(parse_override(o) for o in args.overrides), notes)
+        for note in notes:
+            console.print(f"[yellow]note:[/] {escape(note)}")
+        launch = {**_default_launch(args.command, config), **given}
+    _check_launch(config, launch)
+    check_device(config.device)
+    _check_metrics_port(config.metrics_port)
+    if args.resume:
+        record_launch(Path(config.results_dir), launch)
+    else:
+        directory = claim_results_dir(Path(config.results_dir).resolve() if config.results_dir
+                                      else default_results_dir(), args.overwrite)
+        config = config.with_overrides({"results-dir": str(directory)})
+        record_launch(directory, launch, config)
+    return config, launch
 
 
-def _resume_config(directory: str, path: str | None, overrides: list[str]) -> RunConfig:
-    if path or overrides:
-        raise ConfigError("--resume takes the config saved in the results folder; give no CONFIG or --set")
-    folder = Path(directory).resolve()
+def _given_launch(args: argparse.Namespace) -> dict[str, Any]:
+    """The launch options given on the command line (not their defaults)."""
+    names = {"run": ("engine", "client_cpus"), "deploy-local": ("nodes", "tls")}[args.command]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _default_launch(command: str, config: RunConfig) -> dict[str, Any]:
+    if command == "run":
+        return {"command": "run", "engine": DEFAULT_ENGINE, "client_cpus": 1}
+    return {"command": "deploy-local", "nodes": config.population, "tls": False}
+
+
+def _check_launch(config: RunConfig, launch: dict[str, Any]) -> None:
+    if launch["command"] == "run":
+        if launch["engine"] not in ENGINES:
+            raise ConfigError(f"engine {launch['engine']!r} is not available in this fedhog; "
+                              f"expected one of {', '.join(ENGINES)}")
+        if launch["client_cpus"] < 1:
+            raise ConfigError(f"--client-cpus={launch['client_cpus']} is not allowed; expected an integer ≥ 1")
+    elif launch["nodes"] != config.population:
+        raise ConfigError(f"--nodes={launch['nodes']} must equal population={config.population} "
+                          "(one SuperNode per client)")
+
+
+def _resume(command: str, folder: Path, given: dict[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+    """The stored config with ``resume = true`` and the stored launch; a finished run is refused politely."""
+    folder = folder.expanduser().resolve()
     if not (folder / "config.toml").is_file():
-        raise ConfigError(f"--resume {directory}: no config.toml there (not a fedhog results folder)")
-    return load_config(folder / "config.toml", {"resume": True, "results-dir": str(folder)})
+        raise ConfigError(f"--resume {folder}: no config.toml there (not a fedhog results folder)")
+    document = read_run_document(folder) or {}
+    if document.get("status") == "finished":
+        summary = document.get("summary", {})
+        raise Refusal(f"nothing to resume: the run in {folder} has finished ({describe_run(document, False)}; accuracy "
+                      f"{format_value(summary.get('final_accuracy'))}, ε = {format_value(summary.get('epsilon'))}); "
+                      "its files are unchanged")
+    config = load_config(folder / "config.toml")
+    checkpointed = (folder / "checkpoint.pt").exists()
+    if config.aggregator == "flower-dp" and document.get("rounds"):
+        raise ConfigError(f"--resume {folder}: aggregator='flower-dp' writes no checkpoints, so its runs cannot "
+                          f"be resumed; rerun it with fedhog run {folder / 'config.toml'} --set results-dir='\"\"'")
+    if not checkpointed:  # it stopped before its first checkpoint: nothing was done, so start it again
+        console.print(f"[yellow]note:[/] no checkpoint in {escape(str(folder))}: the run starts again from round 1")
+    config = config.with_overrides({"resume": checkpointed, "results-dir": str(folder)})
+    stored = document.get("launch")
+    if not isinstance(stored, dict):  # started by an older fedhog, or by `flwr run` directly
+        launch = {**_default_launch(command, config), **given}
+        console.print(f"[yellow]note:[/] {escape(str(folder))} does not say how it was started; resuming with "
+                      + ", ".join(f"{k}={v}" for k, v in launch.items() if k != "command"))
+        return config, launch
+    stored = {**_default_launch(command, config), **stored}
+    if stored.get("command") != command:
+        raise ConfigError(f"--resume {folder}: the run was started with `fedhog {stored.get('command')}`; "
+                          f"resume it with `fedhog {stored.get('command')} --resume {folder}`")
+    for key, value in given.items():
+        if stored.get(key) != value:
+            option = "--" + key.replace("_", "-")
+            raise ConfigError(f"--resume {folder}: the run was started with {option} {stored.get(key)}, and a "
+                              f"resumed run keeps it; drop {option} {value}")
+    return config, dict(stored)
 
 
-def _find_quickstart() -> Path:
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        if (base / QUICKSTART).is_file():
-            return base / QUICKSTART
-    raise ConfigError(f"no config given and {QUICKSTART} not found in {Path.cwd()}")
+def _check_metrics_port(port: int) -> None:
+    """A fixed ``metrics-port`` must be free on 127.0.0.1 before training starts."""
+    if port <= 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise ConfigError(f"metrics-port={port} is not allowed: 127.0.0.1:{port} cannot be bound "
+                              f"({error.strerror}); choose another port, or 0 for any free one") from None
+
+
+def _error(kind: str, error: object) -> None:
+    """``kind: message`` in red, the message's text as it is (no markup)."""
+    console.print(f"[bold red]{kind}:[/] {escape(str(error))}")
 
 
 def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
-    """Run ``config`` on ``engine`` with a live progress display; print the summary."""
+    """Run ``config`` on ``engine`` (a name of :data:`ENGINES`) with a live progress display; print the summary."""
     directory = Path(config.results_dir)
     _print_privacy_banner(config)
-    console.print(f"results → [bold]{directory}[/]  (engine: {engine})")
+    console.print(f"results → [bold]{escape(str(directory))}[/]  (engine: {engine})")
+    chosen = ENGINES[engine]
+    error: object = None
+    try:
+        if chosen.in_process:
+            error = _run_in_thread(chosen, config, client_cpus, directory)
+        else:
+            chosen.run(config, client_cpus)
+    except KeyboardInterrupt:
+        return _interrupted(directory)
+    except (DeployError, ConfigError) as problem:
+        error = problem
+    return _report(directory, error is not None, error)
+
+
+def _run_in_thread(engine: Engine, config: RunConfig, client_cpus: int, directory: Path) -> object:
+    """Run ``engine`` in a thread while the main thread shows the progress; the error it raised, or None."""
     outcome: dict[str, object] = {}
-    if engine == "inprocess":
-        worker = threading.Thread(target=_run_inprocess, args=(config, outcome), daemon=True)
-        worker.start()
-        watch_metrics(directory, config.rounds, worker.is_alive)
-        worker.join()
-        failed = "error" in outcome
-    else:
-        returncode = _run_simulation_engine(config, directory, client_cpus)
-        failed = returncode != 0
-    return _report(directory, failed, outcome.get("error"))
+
+    def work() -> None:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+        try:
+            engine.run(config, client_cpus)
+        except BaseException as error:  # reported by the main thread
+            outcome["error"] = f"{type(error).__name__}: {error}"
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    watch_metrics(directory, config.rounds, worker.is_alive)
+    worker.join()
+    return outcome.get("error")
+
+
+def _interrupted(directory: Path, command: str = "run") -> int:
+    console.print(f"[yellow]interrupted:[/] what was done is in {escape(str(directory))}"
+                  + (f"; continue with: fedhog {command} --resume {escape(str(directory))}"
+                     if (directory / "checkpoint.pt").exists() else ""))
+    return 130
 
 
 def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Path | None = None) -> int:
     """Run ``config`` on a local SuperLink with ``nodes`` SuperNodes (:func:`deploy_local`); print the summary."""
     directory = Path(config.results_dir)
     _print_privacy_banner(config)
+    console.print(f"results → [bold]{escape(str(directory))}[/]  (local deployment: {nodes} SuperNodes)")
     try:
         deploy_local(config, nodes, tls=tls, workdir=workdir)
     except ConfigError as error:
-        console.print(f"[bold red]config error:[/] {error}")
+        _error("config error", error)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(directory, "deploy-local")
     except DeployError as error:
         return _report(directory, True, error)
     return _report(directory, False, None)
@@ -141,58 +323,18 @@ def export_command(results: Path, fmt: str, out: Path | None = None) -> int:
     try:
         path = export_model(results, fmt, out)  # type: ignore[arg-type]
     except ExportError as error:
-        console.print(f"[bold red]export error:[/] {error}")
+        _error("export error", error)
         return 2
-    console.print(f"{fmt} model → [bold]{path}[/]")
+    console.print(f"{fmt} model → [bold]{escape(str(path))}[/]")
     return 0
-
-
-def _run_inprocess(config: RunConfig, outcome: dict[str, object]) -> None:
-    from .client_app import app as client_app  # heavy imports only when running
-    from .engine import run_in_process
-    from .server_app import app as server_app
-
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    try:
-        run_in_process(server_app, client_app, config.population, config.to_mapping())
-    except BaseException as error:  # reported by the main thread
-        outcome["error"] = f"{type(error).__name__}: {error}"
-
-
-def _run_simulation_engine(config: RunConfig, directory: Path, client_cpus: int) -> int:
-    """``flwr run`` this project with the resolved config; its log goes to ``flwr.log``."""
-    app_dir = Path(__file__).resolve().parents[1]
-    if not (app_dir / "pyproject.toml").is_file():
-        raise SystemExit(f"the Flower app bundle (pyproject.toml) is not beside {app_dir / 'fedhog'}; "
-                         "use --engine inprocess for an installed package")
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as handle:
-        handle.write(config_to_toml(config))
-    command = ["flwr", "run", str(app_dir), "--stream", "--run-config", handle.name,
-               "--federation-config", f"num-supernodes={config.population} client-resources-num-cpus={client_cpus}"]
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    log_path = directory / "flwr.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=app_dir)
-        try:
-            watch_metrics(directory, config.rounds, lambda: process.poll() is None)
-        except KeyboardInterrupt:
-            process.terminate()
-            raise
-        finally:
-            process.wait()
-            Path(handle.name).unlink(missing_ok=True)
-    if process.returncode != 0:
-        console.print(f"[red]flwr run exited with {process.returncode}; its log: {log_path}[/]")
-        console.print("".join(log_path.read_text().splitlines(keepends=True)[-20:]))
-    return process.returncode
 
 
 def _report(directory: Path, failed: bool, error: object) -> int:
     document = read_metrics_file(directory / "metrics.json")
     if failed or not document or document.get("status") != "finished":
-        reason = error or (document or {}).get("error") or "the run did not finish"
-        console.print(f"[bold red]run failed:[/] {reason}\nwhat was done is in {directory}")
+        reason = (document or {}).get("error") or error or "the run did not finish"
+        _error("run failed", reason)
+        console.print(f"what was done is in {escape(str(directory))}")
         return 1
     summary = document["summary"]
     table = Table(title="fedhog run summary", show_header=False)
@@ -207,9 +349,9 @@ def _report(directory: Path, failed: bool, error: object) -> int:
         calibrated = f" (calibrated to ε = {privacy['target_epsilon']:g})" if privacy.get("target_epsilon") else ""
         table.add_row("noise", f"σ = {privacy['noise_multiplier']:.4g}{calibrated}, {privacy['accountant']} accountant")
     if privacy.get("randomness"):
-        table.add_row("randomness", privacy["randomness"])
+        table.add_row("randomness", escape(privacy["randomness"]))
     table.add_row("wall time", f"{document['seconds']:.1f} s")
-    table.add_row("results", str(directory))
+    table.add_row("results", escape(str(directory)))
     Console().print(table)
     return 0
 

@@ -24,8 +24,10 @@ from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import client_bits
 from .training import (
+    control_term_seed,
     direction_seed,
     evaluate,
+    hog_rows,
     random_direction,
     select_device,
     train_locally,
@@ -99,7 +101,7 @@ def train(msg: Message, context: Context) -> Message:
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
         metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
         if finite:
-            records[protocol.TERM] = ArrayRecord(_to_cpu(term))
+            records[protocol.TERM] = ArrayRecord(_to_cpu(term_keyed_like(term, update)))
     records[protocol.METRICS] = MetricRecord(metrics)
     return Message(records, reply_to=msg)
 
@@ -148,20 +150,28 @@ def third_order_term(
     started = time.perf_counter()
     params = dict(model.named_parameters())
     if config.hog_term == "random":
-        term_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
-        term = random_direction({k: p.detach() for k, p in params.items()}, term_seed)
+        term = random_direction({k: p.detach() for k, p in params.items()}, control_term_seed(seed))
         return term, True, time.perf_counter() - started
-    direction = unit_direction(update) if config.hog_direction == "update" else None
+    # v lives in parameter space: a buffer's change (BatchNorm's running statistics) is no direction of the loss
+    direction = unit_direction({k: update[k] for k in params}) if config.hog_direction == "update" else None
     if direction is None:
         direction = random_direction({k: p.detach() for k, p in params.items()}, seed)
     if len(data) == 0:
         return {k: torch.zeros_like(p) for k, p in params.items()}, True, time.perf_counter() - started
-    rows = np.random.default_rng(seed).permutation(len(data))[: config.hog_batch_size]
+    rows = hog_rows(len(data), config.hog_batch_size, seed)
     device = next(model.parameters()).device
     inputs = torch.as_tensor(data.x[rows], device=device)
     targets = torch.as_tensor(data.y[rows], device=device)
     result = third_order_vector(model, inputs, targets, direction, loss="cross_entropy")
     return result.vector, result.finite, time.perf_counter() - started
+
+
+def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The term (keyed by parameter) keyed like the update (the whole ``state_dict``, in its order).
+
+    Buffers (BatchNorm's running statistics, say) have no derivative: their entries are 0.
+    """
+    return {key: term[key] if key in term else torch.zeros_like(value) for key, value in update.items()}
 
 
 def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

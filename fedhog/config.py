@@ -9,9 +9,11 @@ The defaults here are the ``[tool.flwr.app.config]`` of ``pyproject.toml``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,6 +25,7 @@ from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
+from .server_optimizer import SERVER_OPTIMIZERS, ServerOptimizerSettings
 from .training import OPTIMIZERS
 
 HOG_DIRECTIONS = ("random", "update")
@@ -30,6 +33,7 @@ HOG_TERMS = ("third-order", "random")
 CLIENT_DP = ("none", "dpsgd")
 AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 DEVICES = ("auto", "cpu", "cuda")
+PRIVACY_LEVEL_KEYS = ("noise-multiplier", "target-epsilon")  # σ, or the ε to calibrate σ for: one of them
 
 
 class ConfigError(ValueError):
@@ -61,6 +65,10 @@ class RunConfig:
     sampling: str = "poisson"
     sampling_rate: float = 0.1
     server_learning_rate: float = 1.0
+    server_optimizer: str = "sgd"
+    server_momentum: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
     round_timeout: float = 600.0
     max_update_norm: float = math.inf
     # privacy
@@ -100,7 +108,7 @@ class RunConfig:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key not in known:
-                raise ConfigError(f"unknown config key '{key}'; known keys: {', '.join(sorted(known))}")
+                raise ConfigError(unknown_key_message(key, known))
             kwargs[known[key].name] = _coerce(key, value, type(getattr(cls(), known[key].name)))
         config = cls(**kwargs)
         config.validate()
@@ -160,6 +168,12 @@ class RunConfig:
                              self.dpsgd_delta, self.dpsgd_accountant, self.dpsgd_noise)
 
     @property
+    def server_optimizer_settings(self) -> ServerOptimizerSettings:
+        """How the server applies each release (post-processing)."""
+        return ServerOptimizerSettings(self.server_optimizer, self.server_learning_rate, self.server_momentum,
+                                       self.server_beta2, self.server_tau)
+
+    @property
     def expected_cohort(self) -> int:
         """K = q·N."""
         return int(round(self.sampling_rate * self.population))
@@ -180,6 +194,9 @@ class RunConfig:
         _choice("client-dp", self.client_dp, CLIENT_DP)
         _choice("dpsgd-accountant", self.dpsgd_accountant, DPSGD_ACCOUNTANTS)
         _choice("dpsgd-noise", self.dpsgd_noise, DPSGD_NOISE)
+        _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        for key in ("server-momentum", "server-beta2"):
+            _check(key, self._get(key), 0 <= self._get(key) < 1, "a number in [0, 1)")
         try:
             self.dpsgd_settings
         except ValueError as error:  # "dpsgd: max_grad_norm=0.0 ..." names the field: name the config key
@@ -192,7 +209,8 @@ class RunConfig:
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
                     "hog-batch-size", "classes-per-client"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
-        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "clipping-norm", "round-timeout"):
+        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "server-tau", "clipping-norm",
+                    "round-timeout"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value > 0, "a finite number > 0")
         for key in ("noise-multiplier", "mixing-strength", "momentum"):
@@ -286,8 +304,15 @@ class RunConfig:
         return getattr(self, key.replace("-", "_"))
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``) and apply overrides."""
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                notes: list[str] | None = None) -> RunConfig:
+    """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``) and apply overrides.
+
+    σ (``noise-multiplier``) and ``target-epsilon`` (which calibrates σ) exclude
+    each other: one source (the file, or the overrides) that sets both is refused.
+    An override of one replaces the file's other; when that happens a sentence
+    saying so is appended to ``notes`` (the CLI prints it).
+    """
     values: dict[str, Any] = {}
     overrides = dict(overrides or {})
     if path is not None:
@@ -297,9 +322,47 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         if source.get("target-epsilon", 0) and "noise-multiplier" in source:
             raise ConfigError(f"noise-multiplier={source['noise-multiplier']!r} and target-epsilon="
                               f"{source['target-epsilon']!r} are both set: give σ, or the ε to calibrate σ for, not both")
-    if "target-epsilon" in overrides or "noise-multiplier" in overrides:  # an override replaces the other's file value
-        values = {k: v for k, v in values.items() if k not in ("target-epsilon", "noise-multiplier")}
+    replaced = {}  # the file's σ when an override asks to calibrate, the file's target when an override gives σ
+    if overrides.get("target-epsilon", 0) and "noise-multiplier" in values:
+        replaced["noise-multiplier"] = values["noise-multiplier"]
+    if "noise-multiplier" in overrides and values.get("target-epsilon", 0):
+        replaced["target-epsilon"] = values["target-epsilon"]
+    if replaced:
+        given = ", ".join(f"{k}={toml_value(overrides[k])}" for k in PRIVACY_LEVEL_KEYS if k in overrides)
+        dropped = ", ".join(f"{k}={toml_value(v)}" for k, v in replaced.items())
+        if notes is not None:
+            notes.append(f"{given} (override) replaces {dropped} of {path}: an override of σ or of "
+                         "target-epsilon takes the place of the file's other")
+        values = {k: v for k, v in values.items() if k not in replaced}
     return RunConfig.from_mapping({**values, **overrides})
+
+
+def unknown_key_message(key: str, known: Iterable[str], what: str = "config key") -> str:
+    """``unknown <what> 'key'``, with the near misses (``did you mean``) or else every known key."""
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    if not close and key.replace("_", "-") in known:
+        close = [key.replace("_", "-")]
+    if close:
+        return f"unknown {what} '{key}'; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"unknown {what} '{key}'; known: {', '.join(known)}"
+
+
+def check_device(device: str) -> None:
+    """Refuse a ``device`` this machine does not have (``cuda`` without CUDA), naming what torch sees.
+
+    Not part of :meth:`RunConfig.validate`: a config is validated wherever it is
+    read (a server without a GPU may run clients that have one); this is the
+    check for runs whose clients train on this machine.
+    """
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"device='cuda' is not allowed on this machine: torch {torch.__version__} ({build}) "
+                          "sees no CUDA device; expected auto (CUDA when present) or cpu")
 
 
 def read_toml(path: str | Path, kind: str = "config file", error: type[ConfigError] = ConfigError) -> dict[str, Any]:
@@ -309,7 +372,9 @@ def read_toml(path: str | Path, kind: str = "config file", error: type[ConfigErr
             return tomllib.load(handle)
     except FileNotFoundError:
         raise error(f"{kind} not found: {path}") from None
-    except tomllib.TOMLDecodeError as problem:
+    except OSError as problem:  # a folder, no permission, ...
+        raise error(f"{kind} {path} cannot be read: {problem.strerror or problem}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as problem:
         raise error(f"{kind} {path} is not valid TOML: {problem}") from None
 
 

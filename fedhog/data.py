@@ -221,6 +221,17 @@ def load_client_data(spec: DataSpec, partition_id: int) -> tuple[ArrayData, Arra
     return ArrayData(fed.x[train], fed.y[train]), ArrayData(fed.x[val], fed.y[val])
 
 
+def population_training_data(spec: DataSpec) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+    """The pooled examples ``x, y`` and every client's training indices into them.
+
+    ``load_client_data(spec, i)[0]`` is ``ArrayData(x[indices[i]], y[indices[i]])``: this is the
+    view the vectorized engine keeps on its device once, for the whole population.
+    """
+    validate_spec(spec)
+    fed = _federation(spec)
+    return fed.x, fed.y, tuple(train for train, _ in fed.clients)
+
+
 @functools.lru_cache(maxsize=8)
 def _federation(spec: DataSpec) -> _Federation:
     params = _synthetic_params(spec.dataset)

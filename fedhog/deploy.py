@@ -1,11 +1,16 @@
-"""Run fedhog on a real local Flower deployment: one SuperLink, N SuperNodes, ``flwr run``.
+"""Run fedhog on local Flower infrastructure that fedhog starts and stops: ``flwr run`` against its own SuperLink.
 
 :func:`deploy_local` starts ``flower-superlink`` and ``flower-supernode``
 processes on 127.0.0.1 (plain, or TLS with a throwaway CA from
-:func:`generate_tls_files`), submits the app with ``flwr run`` through a
-SuperLink connection in a private ``FLWR_HOME``, shows the progress from
-``metrics.json`` and stops every process it started, also on Ctrl-C, SIGTERM,
-errors and failed runs. Runtime dependency installation is off everywhere.
+:func:`generate_tls_files`); :func:`simulate_local` starts a SuperLink in
+simulation mode (Flower's Simulation Engine, Ray) and no SuperNode. Both submit
+the app with ``flwr run`` through a SuperLink connection in a private
+``FLWR_HOME``, from a private temporary folder that is every process's working
+directory (never the user's), show the progress from ``metrics.json`` and stop
+every process they started, also on Ctrl-C, SIGTERM, errors and failed runs.
+Runtime dependency installation is off everywhere. Flower's executables are
+those of the running interpreter's environment (:func:`flower_scripts_dir`),
+whatever ``PATH`` says.
 
 Flower detaches some of its processes (the SuperLink's SuperExec, the ServerApp
 and ClientApp processes) into sessions of their own, so process groups alone
@@ -21,10 +26,12 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -37,14 +44,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from .progress import read_metrics_file, watch_metrics
+import psutil
+
+from .app_bundle import write_app_bundle
 from .config import ConfigError, RunConfig
+from .progress import read_metrics_file, watch_metrics
 from .results import config_to_toml, default_results_dir
 
 HOST = "127.0.0.1"
 CONNECTION = "fedhog-local"
 MARKER = "FEDHOG_DEPLOY_ID"
 STOP_GRACE_SECONDS = 5.0
+RAY_TMPDIR_MAX_CHARS = 40  # Ray's socket paths (<tmp>/session_<date>_<pid>/sockets/plasma_store) must stay < 107 bytes
 
 
 class DeployError(RuntimeError):
@@ -139,19 +150,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def flower_scripts_dir() -> Path:
+    """The folder of Flower's executables (``flwr``, ``flower-superlink``, ...) for the running interpreter.
+
+    Beside ``sys.executable`` in a venv or pipx, the interpreter's scripts folder
+    otherwise (a ``--user`` install has its own); ``PATH`` only as the last
+    resort, so that an unactivated venv's ``fedhog`` never runs another
+    environment's Flower.
+    """
+    candidates = [Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))]
+    with contextlib.suppress(KeyError):
+        candidates.append(Path(sysconfig.get_path("scripts", f"{os.name}_user")))
+    on_path = shutil.which("flwr")
+    candidates += [Path(on_path).parent] if on_path else []
+    for folder in candidates:
+        if (folder / "flwr").is_file() and (folder / "flower-superlink").is_file():
+            return folder
+    raise DeployError(f"Flower's executables (flwr, flower-superlink) are neither beside {sys.executable} "
+                      "nor on PATH; reinstall fedhog (it depends on flwr[simulation])")
+
+
 def marked_processes(deploy_id: str) -> list[int]:
     """Ids of the live processes whose environment carries ``FEDHOG_DEPLOY_ID=deploy_id``."""
-    needle = f"{MARKER}={deploy_id}".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for process in psutil.process_iter():
         try:
-            environment = (entry / "environ").read_bytes()
-        except OSError:  # gone, or another user's
+            if process.environ().get(MARKER) == deploy_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):  # gone, or another user's
             continue
-        if needle in environment.split(b"\0"):
-            found.append(int(entry.name))
     return found
 
 
@@ -162,30 +189,38 @@ class LocalFederation:
     ----------
     nodes : int
         SuperNodes to start; node i gets ``--node-config 'partition-id=i num-partitions=nodes'``.
+        With ``simulation``, the simulated SuperNodes (none is started as a process).
     workdir : Path
-        Holds ``flwr-home/`` (the private ``FLWR_HOME`` and its ``config.toml``); the SuperLink runs here.
+        Holds ``flwr-home/`` (the private ``FLWR_HOME`` and its ``config.toml``); every process runs here.
     log_dir : Path
         Receives ``superlink.log`` and ``supernode-<i>.log``.
     tls : TlsFiles or None
         Serve the SuperLink over TLS with these files; ``None``: plain HTTP (``--insecure``).
     startup_timeout : float
         Seconds to wait for the SuperLink to listen and for every SuperNode to be online.
+    simulation : bool
+        Start the SuperLink in simulation mode (``--simulation``): runs go to Flower's
+        Simulation Engine, sized by :meth:`start_run`'s ``federation_config``.
+    env : mapping, optional
+        Extra environment variables for every process.
     """
 
     def __init__(self, nodes: int, workdir: Path, log_dir: Path, tls: TlsFiles | None = None,
-                 startup_timeout: float = 180.0) -> None:
+                 startup_timeout: float = 180.0, *, simulation: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         if nodes < 1:
             raise ValueError(f"nodes={nodes} is not allowed; expected an integer ≥ 1")
         self.nodes, self.workdir, self.log_dir, self.tls = nodes, workdir.resolve(), log_dir.resolve(), tls
-        self.startup_timeout = startup_timeout
+        self.startup_timeout, self.simulation = startup_timeout, simulation
         self.deploy_id = uuid.uuid4().hex
         self.port = free_port()
         self.address = f"{HOST}:{self.port}"
         self.flwr_home = self.workdir / "flwr-home"
-        # Flower starts its helpers (flower-superexec, flwr-clientapp, ...) by name: put ours first.
-        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        self.env = {**os.environ, "PATH": path, MARKER: self.deploy_id, "FLWR_HOME": str(self.flwr_home),
-                    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        self.bin = flower_scripts_dir()
+        # Flower starts its helpers (flower-superexec, flwr-simulation, flwr-clientapp, ...) by name: put ours first.
+        path = os.pathsep.join([str(self.bin), os.environ.get("PATH", "")])
+        self.env = {**os.environ, **(env or {}), "PATH": path, MARKER: self.deploy_id,
+                    "FLWR_HOME": str(self.flwr_home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
         self.processes: dict[str, subprocess.Popen] = {}
         self._logs: list[IO[str]] = []
 
@@ -210,14 +245,17 @@ class LocalFederation:
         self._write_connection()
         tls_args = (["--ssl-ca-certfile", str(self.tls.ca_certfile), "--ssl-certfile", str(self.tls.certfile),
                      "--ssl-keyfile", str(self.tls.keyfile)] if self.tls else ["--insecure"])
-        self._spawn("superlink", ["flower-superlink", *tls_args, "--host", HOST, "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation"])
+        mode = ["--simulation"] if self.simulation else []
+        self._spawn("superlink", [str(self.bin / "flower-superlink"), *tls_args, *mode, "--host", HOST,
+                                  "--port", str(self.port), "--disable-runtime-dependency-installation"])
         deadline = time.monotonic() + self.startup_timeout
         self._wait(lambda: _listening(self.port), deadline, f"the SuperLink to listen on {self.address}")
+        if self.simulation:
+            return
         link_args = ["--root-certificates", str(self.tls.ca_certfile)] if self.tls else ["--insecure"]
         for i in range(self.nodes):
             self._spawn(f"supernode-{i}", [
-                "flower-supernode", *link_args, "--superlink", self.address, "--host", HOST,
+                str(self.bin / "flower-supernode"), *link_args, "--superlink", self.address, "--host", HOST,
                 "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={self.nodes}"])
         self._wait(lambda: self.online_nodes() >= self.nodes, deadline, f"{self.nodes} SuperNodes to be online")
 
@@ -252,7 +290,8 @@ class LocalFederation:
     # --- run -------------------------------------------------------------------
     def online_nodes(self) -> int:
         """SuperNodes the SuperLink reports online (``flwr supernode ls``)."""
-        listing = subprocess.run(["flwr", "supernode", "ls", CONNECTION, "--format", "json"], env=self.env,
+        listing = subprocess.run([str(self.bin / "flwr"), "supernode", "ls", CONNECTION, "--format", "json"],
+                                 env=self.env,
                                  cwd=self.workdir, capture_output=True, text=True, timeout=60)
         try:
             nodes = json.loads(listing.stdout).get("nodes", [])
@@ -260,10 +299,16 @@ class LocalFederation:
             return 0
         return sum(node.get("status") == "online" for node in nodes)
 
-    def start_run(self, app_dir: Path, run_config: Path, log_path: Path) -> subprocess.Popen:
-        """``flwr run app_dir <connection> --stream --run-config run_config``, its output to ``log_path``."""
-        return self._spawn("flwr-run", ["flwr", "run", str(app_dir), CONNECTION, "--stream",
-                                        "--run-config", str(run_config)], cwd=app_dir, log_path=log_path)
+    def start_run(self, app_dir: Path, run_config: Path, log_path: Path,
+                  federation_config: str | None = None) -> subprocess.Popen:
+        """``flwr run app_dir <connection> --stream --run-config run_config``, its output to ``log_path``.
+
+        ``federation_config`` (``'num-supernodes=N client-resources-num-cpus=1'``) sizes a simulation.
+        """
+        command = [str(self.bin / "flwr"), "run", str(app_dir), CONNECTION, "--stream", "--run-config", str(run_config)]
+        if federation_config:
+            command += ["--federation-config", federation_config]
+        return self._spawn("flwr-run", command, cwd=app_dir, log_path=log_path)
 
     def dead_process(self, nodes: bool = True) -> str | None:
         """Which SuperLink (or, with ``nodes``, SuperNode) has exited, and how; ``None`` while all run."""
@@ -386,10 +431,11 @@ def deploy_local(
     tls : bool
         Serve the SuperLink over TLS with a throwaway CA (:func:`generate_tls_files`).
     workdir : Path or None
-        Keeps ``FLWR_HOME``, the certificates and the resolved run config; default: a
-        temporary folder, removed at the end.
+        Keeps ``FLWR_HOME``, the certificates, the app bundle and the resolved run
+        config; default: a temporary folder, removed at the end.
     app_dir : Path or None
-        The Flower app (folder with ``pyproject.toml``); default: this checkout.
+        The Flower app (folder with ``pyproject.toml``); default: fedhog's, written
+        into the work folder (:func:`~fedhog.app_bundle.write_app_bundle`).
     timeout : float or None
         Seconds the run may take once the federation is up; ``None``: no limit.
     startup_timeout : float
@@ -411,23 +457,66 @@ def deploy_local(
 
     if config.population != nodes:
         raise ConfigError(f"population={config.population} must equal the number of SuperNodes (nodes={nodes})")
-    app_dir = (app_dir or Path(__file__).resolve().parents[1]).resolve()
-    if not (app_dir / "pyproject.toml").is_file():
+    if app_dir is not None and not (app_dir / "pyproject.toml").is_file():
         raise DeployError(f"no Flower app (pyproject.toml) in app_dir={app_dir}")
+    return _run_locally(config, nodes, workdir, app_dir, timeout, startup_timeout, tls=tls)
+
+
+def simulate_local(config: RunConfig, client_cpus: int = 1, *, timeout: float | None = None,
+                   startup_timeout: float = 180.0) -> Path:
+    """Run ``config`` on Flower's Simulation Engine behind a SuperLink of fedhog's own; return the results folder.
+
+    ``flwr run`` alone would start Flower's shared local SuperLink (fixed ports, ``~/.flwr``),
+    leave it running after the run and keep the caller's working directory as the
+    ServerApp's. Here the SuperLink (simulation mode), its SuperExec, ``flwr-simulation``
+    and Ray run in a private temporary folder (also Ray's, unless ``RAY_TMPDIR`` is set)
+    and are stopped when the run ends, fails or is interrupted.
+
+    Parameters
+    ----------
+    config : RunConfig
+        The run: ``population`` simulated SuperNodes.
+    client_cpus : int
+        CPUs Ray reserves for each simulated client.
+    timeout, startup_timeout : float
+        As in :func:`deploy_local`.
+
+    Returns
+    -------
+    Path
+        The absolute results folder, with ``flwr.log`` and ``logs/superlink.log``.
+    """
+    if client_cpus < 1:
+        raise ConfigError(f"client-cpus={client_cpus} is not allowed; expected an integer ≥ 1")
+    federation_config = f"num-supernodes={config.population} client-resources-num-cpus={client_cpus}"
+    return _run_locally(config, config.population, None, None, timeout, startup_timeout,
+                        federation_config=federation_config)
+
+
+def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: Path | None,
+                 timeout: float | None, startup_timeout: float, *, tls: bool = False,
+                 federation_config: str | None = None) -> Path:
+    """Start a federation (a simulation with ``federation_config``), run ``config`` on it, stop it."""
     directory = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
     config = config.with_overrides({"results-dir": str(directory)})
+    simulation = federation_config is not None
     with contextlib.ExitStack() as stack:
         stack.enter_context(_handling([signal.SIGTERM], _exit_on_signal))  # clean up on SIGTERM as on Ctrl-C
         if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedhog-deploy-")))
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="fedhog-sim-" if simulation else "fedhog-deploy-", ignore_cleanup_errors=True)))
         workdir = workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
+        env = {}
+        if simulation and "RAY_TMPDIR" not in os.environ and len(str(workdir / "ray")) <= RAY_TMPDIR_MAX_CHARS:
+            env["RAY_TMPDIR"] = str(workdir / "ray")  # removed with the work folder
+        app_dir = (app_dir or write_app_bundle(workdir / "app")).resolve()
         run_config = workdir / "run-config.toml"
         run_config.write_text(config_to_toml(config))
         certificates = generate_tls_files(workdir / "tls") if tls else None
-        federation = stack.enter_context(
-            LocalFederation(nodes, workdir, directory / "logs", certificates, startup_timeout))
-        run = federation.start_run(app_dir, run_config, directory / "flwr.log")
+        federation = stack.enter_context(LocalFederation(nodes, workdir, directory / "logs", certificates,
+                                                         startup_timeout, simulation=simulation, env=env))
+        run = federation.start_run(app_dir, run_config, directory / "flwr.log", federation_config)
         deadline = None if timeout is None else time.monotonic() + timeout
         problem: list[str] = []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages stay one line each: the terminal wraps them
 
 
 def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
@@ -25,8 +25,8 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
             document = read_metrics_file(directory / "metrics.json")
             if document and document.get("rounds"):
                 last = document["rounds"][-1]
-                progress.update(task, completed=last["round"],
-                                status=f"accuracy {format_value(last['accuracy'])}  ε {format_value(last['epsilon'])}")
+                progress.update(task, completed=last.get("round", 0), status=f"accuracy "
+                                f"{format_value(last.get('accuracy'))}  ε {format_value(last.get('epsilon'))}")
             if not alive:
                 break
             time.sleep(0.5)

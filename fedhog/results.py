@@ -1,4 +1,4 @@
-"""The results folder: written as the run goes, so a crash keeps what was done."""
+"""The results folder: written as the run goes, so a crash keeps what was done, and never overwritten silently."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import io
 import json
 import math
 import os
+import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +17,11 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord
 
-from .config import RunConfig, toml_value
+from .config import ConfigError, RunConfig, toml_value
+
+# What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
+RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
+             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt")
 
 
 def default_results_dir(base: Path | None = None) -> Path:
@@ -27,6 +33,100 @@ def default_results_dir(base: Path | None = None) -> Path:
     while path.exists():
         path, suffix = root / f"{stamp}-{suffix}", suffix + 1
     return path.resolve()
+
+
+def read_run_document(directory: Path) -> dict[str, Any] | None:
+    """The ``metrics.json`` of the fedhog run in ``directory``, or None when it holds none (or not fedhog's)."""
+    try:
+        document = json.loads((directory / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) and "status" in document else None
+
+
+def describe_run(document: dict[str, Any], status: bool = True) -> str:
+    """``finished, 10 of 10 rounds`` (``status`` first) for a run's ``metrics.json``."""
+    planned = document.get("config", {}).get("rounds")
+    done = len(document.get("rounds", []))
+    text = f"{done}" + (f" of {planned}" if planned else "") + " rounds"
+    if document.get("summary", {}).get("stopped_by_budget"):
+        text += ", stopped by max-epsilon"
+    return f"{document.get('status')}, {text}" if status else text
+
+
+def claim_results_dir(directory: Path, overwrite: bool = False) -> Path:
+    """Create ``directory`` for a new run and return it, absolute; refuse what would lose or mix files.
+
+    A folder that holds a fedhog run is refused (``overwrite`` removes that run's
+    files, :data:`RUN_FILES`, and nothing else); a folder with other files is
+    refused; a path below a file, or one that cannot be created, is refused.
+    Every refusal is a one-line :class:`~fedhog.config.ConfigError` that names
+    ``results-dir`` and says what to do.
+    """
+    directory = directory.expanduser().absolute()
+    shown = f"results-dir={toml_value(str(directory))}"
+    for parent in [directory, *directory.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{shown} is not allowed: {parent} is a file, not a folder")
+    if directory.is_dir():
+        document = read_run_document(directory)
+        if document is not None or (directory / "checkpoint.pt").exists():
+            if not overwrite:
+                what = describe_run(document) if document else "a checkpoint"
+                resume = (f", --resume {directory} continues it" if (document or {}).get("status") != "finished"
+                          else "")
+                raise ConfigError(f"{shown} already holds a run ({what}); fedhog does not overwrite it: "
+                                  f"--set results-dir='\"\"' writes a new results/<timestamp> folder{resume}, "
+                                  "--overwrite replaces it")
+            for name in RUN_FILES:
+                path = directory / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+        elif any(directory.iterdir()):
+            names = sorted(p.name for p in directory.iterdir())
+            listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            raise ConfigError(f"{shown} is a folder with other files ({listed}) and no fedhog run; "
+                              "give a new or empty folder")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.TemporaryFile(dir=directory)
+    except OSError as error:
+        raise ConfigError(f"{shown} cannot be written: {error.strerror or error}") from None
+    probe.close()
+    return directory
+
+
+def record_launch(directory: Path, launch: dict[str, Any], config: RunConfig | None = None) -> None:
+    """Record how the run in ``directory`` was started (``metrics.json``'s ``launch``), so a resume repeats it.
+
+    A new run's ``metrics.json`` starts as ``{"status": "starting", "launch": ...}``
+    and, given ``config``, its ``config.toml`` is written too, so that even a run
+    that fails before its ServerApp starts can be resumed; :class:`ResultsWriter`
+    keeps the entry when the ServerApp takes the folder over.
+    """
+    document = read_run_document(directory) or {"status": "starting"}
+    document["launch"] = launch
+    if config is not None:
+        atomic_write(directory / "config.toml", config_to_toml(config).encode())
+    atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
+
+
+def client_error_summary(reason: str, limit: int = 300) -> str:
+    """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped, at most ``limit`` characters.
+
+    Flower reports ``<class 'X'>:<'message'>``; its Simulation Engine wraps the
+    ClientApp's error (with Ray's traceback) as ``... ClientAppException occurred.
+    Message: <the error>``; the in-process engine sends ``Type: message`` and a traceback.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason.removeprefix("client error: "))
+    if inner := re.search(r"Exception ClientAppException occurred\. Message: (.*?)(?:'>)?\s*$", text, re.S):
+        text = inner.group(1)
+    elif wrapped := re.fullmatch(r"<class '([^']+)'>:<'(.*)'>\s*", text, re.S):
+        text = f"{wrapped.group(1).rsplit('.', 1)[-1]}: {wrapped.group(2)}"
+    text = " ".join(text.split("Traceback (most recent call last)")[0].split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -69,13 +169,18 @@ def _json_safe(value: Any) -> Any:
 
 
 class ResultsWriter:
-    """Writes ``config.toml``, ``metrics.json`` and ``final_model.pt`` into one folder."""
+    """Writes ``config.toml``, ``metrics.json`` and ``final_model.pt`` into one folder.
+
+    A ``launch`` entry already in ``metrics.json`` (:func:`record_launch`) is kept.
+    """
 
     def __init__(self, directory: Path, config: RunConfig) -> None:
         self.directory = directory.resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
+        launch = (read_run_document(self.directory) or {}).get("launch")
         self.document: dict[str, Any] = {
             "status": "running",
+            **({"launch": launch} if launch is not None else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config": config.to_mapping(),
             "rounds": [],

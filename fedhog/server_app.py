@@ -22,9 +22,9 @@ from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
-from .results import ResultsWriter, default_results_dir
+from .results import ResultsWriter, client_error_summary, default_results_dir
 from .protocol import JOB_ID
-from .strategy import RoundRecord, SecureAggregator
+from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
 from .training import evaluate
 
 app = ServerApp()
@@ -52,7 +52,7 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
-                            config.sampling_rate, config.server_learning_rate, config.max_epsilon,
+                            config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
                             config.max_update_norm, equal_weights=config.client_dp == "dpsgd")
 
@@ -143,8 +143,9 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         save_checkpoint(writer.directory, Checkpoint(
             round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rounds=writer.document["rounds"], job_id=job_id,
+            rounds=writer.document["rounds"], job_id=job_id, server_optimizer=strategy.server_optimizer.state_dict(),
             adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
+        _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
@@ -165,12 +166,23 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         strategy.accountant.load_state_dict(checkpoint.accountant)
         if strategy.adaptive_clipping is not None and checkpoint.adaptive_clipping is not None:
             strategy.adaptive_clipping.load_state_dict(checkpoint.adaptive_clipping)
+        if checkpoint.server_optimizer is not None:
+            strategy.server_optimizer.load_state_dict(checkpoint.server_optimizer)
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
                             on_round=on_round, first_round=first_round)
     return result.arrays, strategy.accountant.epsilon()
+
+
+def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], delta: float) -> None:
+    """Stop a run whose every sampled client raised this round (nothing can train), quoting why and the ε spent."""
+    failed = record.rejections.get(CLIENT_ERROR, 0)
+    if record.clients_sampled and failed == record.clients_sampled:
+        raise RuntimeError(f"round {record.round}: every sampled client failed ({failed} of {record.clients_sampled}): "
+                           f"{client_error_summary(reasons.get(CLIENT_ERROR, ''))}; the round's noise was released "
+                           f"all the same: ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
 
 
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,16 +31,33 @@ from .privacy.mechanism import (
     MechanismSettings,
     aggregate,
     noise_tail_delta,
-    stable_norm,
+    norms_of,
 )
 from .privacy.randomness import MAX_STANDARD_NORMAL, PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
 NON_FINITE_TERM = "non-finite third-order term"
+CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
 
 
 class BadReply(ValueError):
     """A client reply the aggregator will not use."""
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).
+
+    ``update`` and ``term`` are flat tensors in the layout of the global
+    model's ArrayRecord (its keys in order); ``term`` is None when the client
+    sent none; ``metrics`` is the reply's MetricRecord as a mapping.
+    """
+
+    slot: int
+    update: torch.Tensor
+    term: torch.Tensor | None
+    metrics: Mapping[str, Any]
 
 
 @dataclass
@@ -68,6 +86,14 @@ class RoundRecord:
     rejections: dict[str, int] = field(default_factory=dict)
 
 
+@runtime_checkable
+class CohortGrid(Protocol):
+    """A Grid that computes a whole cohort's results at once (:class:`fedhog.vectorized.VectorizedGrid`)."""
+
+    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
+        """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
+
+
 class SecureAggregator(Strategy):
     """Sample clients, mix third-order terms into updates, clip, noise, account.
 
@@ -84,8 +110,9 @@ class SecureAggregator(Strategy):
         Poisson sampling with rate q, or exactly q·N clients without replacement.
     sampling_rate : float
         q.
-    server_learning_rate : float
-        η: the global model moves by η times the aggregated update.
+    server_optimizer : ServerOptimizerSettings
+        How the global model moves by the release ū: ``sgd`` (θ + η·ū, the
+        default with η = 1), FedAvgM, FedAdam or FedYogi (post-processing).
     max_epsilon : float
         Training stops before a release that would push ε above this.
     max_update_norm : float
@@ -108,7 +135,7 @@ class SecureAggregator(Strategy):
         randomness: PrivacyRandomness,
         sampling: SamplingKind,
         sampling_rate: float,
-        server_learning_rate: float = 1.0,
+        server_optimizer: ServerOptimizerSettings = ServerOptimizerSettings(),
         max_epsilon: float = math.inf,
         adaptive_clipping: AdaptiveClipping | None = None,
         max_update_norm: float = math.inf,
@@ -120,7 +147,7 @@ class SecureAggregator(Strategy):
         self.equal_weights = equal_weights
         self.sampling = sampling
         self.sampling_rate = sampling_rate
-        self.server_learning_rate = server_learning_rate
+        self.server_optimizer = ServerOptimizer(server_optimizer)
         self.max_epsilon = max_epsilon
         self.adaptive_clipping = adaptive_clipping
         self.max_update_norm = max_update_norm
@@ -130,12 +157,13 @@ class SecureAggregator(Strategy):
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
+        self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
 
     def __repr__(self) -> str:
         m = self.mechanism
         return (f"SecureAggregator(mechanism={m.kind!r}, C={m.clipping_norm}, σ={m.noise_multiplier}, "
                 f"γ={m.mixing_strength}, sampling={self.sampling!r}, q={self.sampling_rate}, "
-                f"η={self.server_learning_rate}, max_epsilon={self.max_epsilon})")
+                f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon})")
 
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
@@ -190,10 +218,8 @@ class SecureAggregator(Strategy):
         self.slot_of_node = mapping
 
     # --- training round ------------------------------------------------------
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample this round's cohort and send it the global model."""
+    def begin_round(self, server_round: int, arrays: ArrayRecord) -> dict[int, int]:
+        """Sample this round's cohort (node id -> slot) and start its record."""
         slots = sorted(self.slot_of_node.values())
         node_of_slot = {slot: node for node, slot in self.slot_of_node.items()}
         self._round_randomness = self.randomness.for_round(server_round)
@@ -202,32 +228,50 @@ class SecureAggregator(Strategy):
         self._cohort = {node_of_slot[slot]: slot for slot in chosen}
         self.current = RoundRecord(round=server_round, clients_sampled=len(chosen))
         self.client_metrics = []
+        self.rejection_reasons = {}
+        return dict(self._cohort)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample this round's cohort and send it the global model."""
+        cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
         record = RecordDict({"arrays": arrays, "config": config})
-        return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in self._cohort]
+        return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in cohort]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, run the mechanism, apply the update, compose the event."""
-        record = self.current
-        contributions: list[tuple[int, Contribution, RecordDict]] = []
+        """Read the replies into client results, then :meth:`finish_round`."""
+        results: list[ClientResult] = []
         seen: set[int] = set()
         for reply in replies:
             if not reply.has_error():
-                record.bytes_received += reply_nbytes(reply.content)
+                self.current.bytes_received += reply_nbytes(reply.content)
             try:
-                slot = self._check_sender(reply, seen)
-                contribution = self.read_contribution(reply)
+                results.append(self._read_reply(reply, seen))
             except BadReply as error:
-                kind = str(error).split(":")[0]
-                record.clients_rejected += 1
-                record.rejections[kind] = record.rejections.get(kind, 0) + 1
-                record.third_order_failures += kind == NON_FINITE_TERM
-                log(WARNING, "round %d: rejected reply from node %d: %s", server_round,
-                    reply.metadata.src_node_id, error)
-                continue
-            contributions.append((slot, contribution, reply.content))
+                self._count_rejection(server_round, f"node {reply.metadata.src_node_id}", error)
+        return self.finish_round(server_round, results)
+
+    def finish_round(
+        self, server_round: int, results: Iterable[ClientResult]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the cohort's results, run the mechanism, apply the update, compose the event.
+
+        Every engine ends a round here: Flower's and the in-process engine with
+        the replies :meth:`aggregate_train` read, the vectorized engine with the
+        results it computed for the whole cohort at once.
+        """
+        record = self.current
+        results = list(results)
+        contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
+        for result, verdict in zip(results, self._validate(results)):
+            if isinstance(verdict, BadReply):
+                self._count_rejection(server_round, f"slot {result.slot}", verdict)
+            else:
+                contributions.append((result.slot, verdict, result.metrics))
         contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
 
@@ -254,13 +298,13 @@ class SecureAggregator(Strategy):
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
         self.accountant.compose_round()  # σ covers the update and, with adaptive clipping, the count
-        new_flat = flat_global + self.server_learning_rate * averaged
+        new_flat = self.server_optimizer.step(flat_global, averaged, server_round)
         record.epsilon = self.accountant.epsilon()
         record.mean_norm_before_clip = stats.mean_norm_before_clip
         record.fraction_clipped = stats.fraction_clipped
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
-        client_metrics = [content[protocol.METRICS] for _, _, content in contributions]
+        client_metrics = [metrics for _, _, metrics in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
@@ -273,10 +317,19 @@ class SecureAggregator(Strategy):
              "clients-rejected": record.clients_rejected}
         )
 
+    def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
+        record = self.current
+        kind = str(error).split(":")[0]
+        record.clients_rejected += 1
+        record.rejections[kind] = record.rejections.get(kind, 0) + 1
+        self.rejection_reasons.setdefault(kind, str(error))
+        record.third_order_failures += kind == NON_FINITE_TERM
+        log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, error)
+
     def _check_sender(self, reply: Message, seen: set[int]) -> int:
         node = reply.metadata.src_node_id
         if reply.has_error():
-            raise BadReply(f"client error: {reply.error.reason}")
+            raise BadReply(f"{CLIENT_ERROR}: {reply.error.reason}")
         if node not in self._cohort:
             raise BadReply("not sampled: the node was not in this round's cohort")
         if node in seen:
@@ -284,30 +337,70 @@ class SecureAggregator(Strategy):
         seen.add(node)
         return self._cohort[node]
 
-    def read_contribution(self, reply: Message) -> Contribution:
-        """Turn a reply into a flat contribution, or raise :class:`BadReply`."""
+    def _read_reply(self, reply: Message, seen: set[int]) -> ClientResult:
+        """The arrays and metrics of a reply from a sampled node, or :class:`BadReply`."""
+        slot = self._check_sender(reply, seen)
         content = reply.content
         if protocol.METRICS not in content.metric_records:
             raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
-        metrics = content[protocol.METRICS]
+        metrics = dict(content[protocol.METRICS])
+        update = _read_like(content, protocol.UPDATE, self._global)
+        term = None
+        if self.mechanism.kind == "hog" and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
+            term = _read_like(content, protocol.TERM, self._global)
+        return ClientResult(slot, update, term, metrics)
+
+    def read_contribution(self, reply: Message) -> Contribution:
+        """Turn a reply into a flat contribution, or raise :class:`BadReply` (for a sampled node)."""
+        verdict = self._validate([self._read_reply(reply, set())])[0]
+        if isinstance(verdict, BadReply):
+            raise verdict
+        return verdict
+
+    def _validate(self, results: list[ClientResult]) -> list[Contribution | BadReply]:
+        """Each well-formed result's contribution, or why it is refused.
+
+        Norms are float64 and scaled (float32 entries near 1e19 do not make them inf), computed for the
+        whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
+        """
+        update_norms, updates_finite = norms_of([r.update for r in results])
+        hog = self.mechanism.kind == "hog"
+        with_terms = [r for r in results if hog and r.term is not None]
+        term_norms, terms_finite = norms_of([r.term for r in with_terms])
+        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite)}
+        verdicts: list[Contribution | BadReply] = []
+        for result, norm, finite in zip(results, update_norms, updates_finite):
+            try:
+                verdicts.append(self._accept(result, norm, finite, term_check.get(id(result))))
+            except BadReply as error:
+                verdicts.append(error)
+        return verdicts
+
+    def _accept(self, result: ClientResult, norm: float, finite: bool,
+                term_check: tuple[float, bool] | None) -> Contribution:
+        metrics = result.metrics
         weight = 1
         if not self.equal_weights:
             weight = metrics.get(protocol.NUM_EXAMPLES)
-            if not isinstance(weight, int) or weight < 0:
+            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
                 raise BadReply(f"malformed: num-examples={weight!r}")
-        update = _read_like(content, protocol.UPDATE, self._global)
-        norm = stable_norm(update)  # float64 and scaled: float32 entries near 1e19 do not make it inf
+        if not finite:
+            raise BadReply(f"non-finite values: '{protocol.UPDATE}' holds NaN or inf")
         if not norm <= self.max_update_norm:
             raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
                            if math.isfinite(norm) else f"too large: update norm {norm} is not finite")
-        term = None
-        if self.mechanism.kind == "hog":
-            if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
-                raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
-            term = _read_like(content, protocol.TERM, self._global)
-            if not math.isfinite(stable_norm(term)):
-                raise BadReply(f"{NON_FINITE_TERM}: its norm is not finite in float64")
-        return Contribution(update=update, weight=weight, term=term)
+        if self.mechanism.kind != "hog":
+            return Contribution(update=result.update, weight=weight)
+        if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
+            raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
+        if result.term is None or term_check is None:
+            raise BadReply(f"malformed: no ArrayRecord '{protocol.TERM}'")
+        term_norm, term_finite = term_check
+        if not term_finite:
+            raise BadReply(f"non-finite values: '{protocol.TERM}' holds NaN or inf")
+        if not math.isfinite(term_norm):
+            raise BadReply(f"{NON_FINITE_TERM}: its norm is not finite in float64")
+        return Contribution(update=result.update, weight=weight, term=result.term)
 
     # --- no federated evaluation: the server evaluates centrally -------------
     def configure_evaluate(
@@ -356,9 +449,14 @@ class SecureAggregator(Strategy):
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
                 break
             started = time.perf_counter()
-            messages = self.configure_train(server_round, arrays, ConfigRecord(dict(train_config or {})), grid)
-            replies = grid.send_and_receive(messages, timeout=timeout)
-            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if isinstance(grid, CohortGrid):  # the vectorized engine: the whole cohort in one computation
+                results = grid.train_cohort(server_round, arrays, self.begin_round(server_round, arrays))
+                self.current.bytes_received += sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
+                new_arrays, train_metrics = self.finish_round(server_round, results)
+            else:
+                messages = self.configure_train(server_round, arrays, ConfigRecord(dict(train_config or {})), grid)
+                replies = grid.send_and_receive(messages, timeout=timeout)
+                new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
@@ -384,7 +482,7 @@ def _population_mismatch(population: int, found: str) -> str:
 
 
 def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
-    """The ArrayRecord ``key`` flattened, if it matches ``reference`` exactly."""
+    """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
     if key not in content.array_records:
         raise BadReply(f"malformed: no ArrayRecord '{key}'")
     record = content[key]
@@ -396,10 +494,12 @@ def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.T
             raise BadReply(f"wrong shape: '{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
         if got.dtype != want.dtype:
             raise BadReply(f"wrong dtype: '{key}/{name}' is {got.dtype}, expected {want.dtype}")
-    flat = _flatten(record, list(reference.keys()))
-    if not torch.isfinite(flat).all():
-        raise BadReply(f"non-finite values: '{key}' holds NaN or inf")
-    return flat
+    return _flatten(record, list(reference.keys()))
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    """What a tensor weighs as a reply's array (0 for none)."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def _flatten(record: ArrayRecord, keys: list[str]) -> torch.Tensor:

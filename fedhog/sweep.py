@@ -1,8 +1,9 @@
-"""Sweeps: a grid of full federated runs on the in-process engine, resumable, with tidy results.
+"""Sweeps: a grid of full federated runs on the vectorized engine, resumable, with tidy results.
 
 A sweep file is TOML::
 
     output = "results/sweeps/privacy-utility"     # folder of the sweep (relative: to the working directory)
+    engine = "vectorized"                         # optional: or "inprocess" (one Flower message per client)
     paired = [["gaussian", "hog-γ0.5"]]           # optional: pairs [A, B] of variants to compare (B − A)
 
     [base]                                        # run-config keys shared by every cell
@@ -63,14 +64,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from scipy import stats
 
-from .config import ConfigError, RunConfig, load_config, read_toml
+from .config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 from .progress import console, format_value, read_metrics_file
 
-SWEEP_KEYS = ("output", "paired", "base", "grid", "variants")
+SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants")
+SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
 RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
+DIFFERENCE_DECIMALS = 12  # paired differences of accuracies are rounded to this many decimals before testing
 REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
 PRIVACY_KEYS = ("target-epsilon", "noise-multiplier")  # grid keys that set ε (the x axis of the ε plot)
 PRIVACY_SEED_TAG = 0xF3D405  # separates the privacy seeds from the data seeds
@@ -119,6 +123,7 @@ class Sweep:
     variants: tuple[dict[str, Any], ...]
     paired: tuple[tuple[str, str], ...]
     cells: tuple[Cell, ...]
+    engine: str = "vectorized"
 
     @property
     def replicate_keys(self) -> list[str]:
@@ -213,8 +218,12 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
     document = read_toml(path, "sweep file", SweepError)
     for key in document:
         if key not in SWEEP_KEYS:
-            raise SweepError(f"sweep file {path}: unknown key '{key}'; expected {', '.join(SWEEP_KEYS)} "
+            raise SweepError(f"sweep file {path}: {unknown_key_message(key, SWEEP_KEYS, 'key')} "
                              "(run-config keys go under [base], [grid] or [[variants]])")
+    engine = document.get("engine", "vectorized")
+    if engine not in SWEEP_ENGINES:
+        raise SweepError(f"sweep file {path}: engine={engine!r} is not allowed; expected one of "
+                         f"{', '.join(SWEEP_ENGINES)}")
     output = document.get("output") if output is None else str(output)
     if not isinstance(output, str) or not output:
         raise SweepError(f"sweep file {path}: output={output!r} must be a folder name (a non-empty string)")
@@ -234,7 +243,7 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
     cells = tuple(expand_cells(base, grid, variants, directory))
     labels = list(dict.fromkeys(cell.variant for cell in cells))
     paired = _paired(document.get("paired", []), labels)
-    return Sweep(path, directory, base, grid, variants, paired, cells)
+    return Sweep(path, directory, base, grid, variants, paired, cells, engine)
 
 
 def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
@@ -295,7 +304,7 @@ def _table(document: dict[str, Any], key: str) -> dict[str, Any]:
 def _check_config_keys(where: str, table: dict[str, Any]) -> None:
     for key in table:
         if key not in CONFIG_KEYS:
-            raise SweepError(f"{where}: unknown run-config key '{key}'; known keys: {', '.join(CONFIG_KEYS)}")
+            raise SweepError(f"{where}: {unknown_key_message(key, CONFIG_KEYS, 'run-config key')}")
         if key in RESERVED_KEYS:
             raise SweepError(f"{where}: '{key}' is set by the sweep for every cell (output/runs/<cell-id>)")
 
@@ -401,8 +410,8 @@ def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> Swe
     pending = [cell for cell in sweep.cells if cell.cell_id not in finished]
     failed: dict[str, str] = {}
     if pending:
-        console.print(f"sweep {sweep.path.name}: {len(pending)} of {len(sweep.cells)} cells to run "
-                      f"→ [bold]{sweep.output}[/]")
+        console.print(f"sweep {escape(sweep.path.name)}: {len(pending)} of {len(sweep.cells)} cells to run "
+                      f"on the {sweep.engine} engine → [bold]{escape(str(sweep.output))}[/]")
         if any(cell.config.privacy_seed >= 0 for cell in pending):
             console.print("[yellow]privacy-seed is fixed per seed so that paired cells draw the same cohorts "
                           "and seed their noise alike: the noise is predictable — for experiments only[/]")
@@ -411,23 +420,27 @@ def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> Swe
             for cell in pending:
                 progress.start(cell)
                 try:
-                    _run_cell(cell)
+                    _run_cell(cell, sweep.engine)
                 except Exception as error:  # pylint: disable=broad-except  # one cell's fault; the sweep goes on
                     failed[cell.cell_id] = f"{type(error).__name__}: {error}"
-                    console.print(f"[red]cell {cell.cell_id} failed:[/] {failed[cell.cell_id]}")
+                    console.print(f"[red]cell {escape(cell.cell_id)} failed:[/] {escape(failed[cell.cell_id])}")
                 progress.finish(cell)
     comparisons = write_reports(sweep)
     return SweepOutcome(tuple(c.cell_id for c in pending if c.cell_id not in failed),
                         tuple(sorted(finished)), failed, tuple(comparisons))
 
 
-def _run_cell(cell: Cell) -> None:
+def _run_cell(cell: Cell, engine: str) -> None:
     from .client_app import app as client_app  # heavy imports only when running
     from .engine import run_in_process
     from .server_app import app as server_app
+    from .vectorized import run_vectorized
 
     shutil.rmtree(cell.directory, ignore_errors=True)  # a crashed run starts over
-    run_in_process(server_app, client_app, cell.config.population, cell.config.to_mapping())
+    if engine == "vectorized":
+        run_vectorized(server_app, client_app, cell.config)
+    else:
+        run_in_process(server_app, client_app, cell.config.population, cell.config.to_mapping())
 
 
 class _DropPerCellWarnings(logging.Filter):
@@ -559,8 +572,11 @@ def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str
                        condition_keys: Sequence[str], replicate_keys: Sequence[str]) -> list[PairedComparison]:
     """Final accuracy of B − A per condition, paired on the replicate keys; paired t-test and Wilcoxon.
 
-    Both tests are two-sided (``scipy.stats.ttest_rel``, ``scipy.stats.wilcoxon``);
-    a statistic that is undefined (fewer than two pairs, all differences equal) is NaN.
+    Both tests are two-sided (``scipy.stats.ttest_rel``, ``scipy.stats.wilcoxon``) on the
+    differences rounded to :data:`DIFFERENCE_DECIMALS` decimals, so that differences equal
+    but for float rounding are equal. A statistic that is undefined is NaN: both with
+    fewer than two pairs, the t-test when every difference is the same (zero variance),
+    the Wilcoxon test when every difference is zero.
     """
     finals = final_rows(rows)
     conditions = list(dict.fromkeys(tuple((k, row[k]) for k in condition_keys) for row in finals))
@@ -570,9 +586,9 @@ def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str
             a, b = (_accuracy_by_replicate(finals, name, condition, replicate_keys) for name in (baseline, variant))
             replicates = tuple(sorted(set(a) & set(b)))
             first, second = np.array([a[r] for r in replicates]), np.array([b[r] for r in replicates])
+            differences = np.round(second - first, DIFFERENCE_DECIMALS) + 0.0  # + 0.0: no -0.0
             comparisons.append(PairedComparison(baseline, variant, condition, replicates,
-                                                tuple((second - first).tolist()),
-                                                *_paired_tests(first, second)))
+                                                tuple(differences.tolist()), *_paired_tests(differences)))
     return comparisons
 
 
@@ -582,19 +598,21 @@ def _accuracy_by_replicate(finals: Sequence[dict[str, Any]], variant: str, condi
             if row["variant"] == variant and all(row[k] == v for k, v in condition)}
 
 
-def _paired_tests(first: np.ndarray, second: np.ndarray) -> tuple[float, float, float, float]:
+def _paired_tests(differences: np.ndarray) -> tuple[float, float, float, float]:
+    """t, p (paired t-test), W, p (Wilcoxon) of B − A; NaN where undefined (see :func:`paired_comparisons`)."""
     nan = (math.nan, math.nan)
-    if len(first) < 2:
+    if len(differences) < 2:
         return nan + nan
+    t_result = w_result = nan
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # constant differences: scipy warns and returns NaN
-        t_test = stats.ttest_rel(second, first)
-        try:
-            wilcoxon = stats.wilcoxon(second - first)
-            wilcoxon_result = (float(wilcoxon.statistic), float(wilcoxon.pvalue))
-        except ValueError:  # every difference is zero
-            wilcoxon_result = nan
-    return float(t_test.statistic), float(t_test.pvalue), *wilcoxon_result
+        warnings.simplefilter("ignore")  # scipy warns about ties and small samples; the values are as computed
+        if np.ptp(differences) > 0:  # zero variance: t = ±∞ or 0/0, whatever the float noise said
+            t_test = stats.ttest_1samp(differences, 0.0)  # = ttest_rel(B, A)
+            t_result = (float(t_test.statistic), float(t_test.pvalue))
+        if np.any(differences != 0):
+            wilcoxon = stats.wilcoxon(differences)
+            w_result = (float(wilcoxon.statistic), float(wilcoxon.pvalue))
+    return *t_result, *w_result
 
 
 def write_reports(sweep: Sweep) -> list[PairedComparison]:
@@ -657,7 +675,9 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
                   "privacy-seed the cohorts and noise draws. Two-sided "
                   "paired t-test and Wilcoxon signed-rank test (`scipy.stats.ttest_rel`, `scipy.stats.wilcoxon`), "
                   "as measured, not corrected for multiple comparisons; with n pairs the exact two-sided "
-                  "Wilcoxon p is at least 2/2ⁿ (0.25 for n = 3).", "",
+                  "Wilcoxon p is at least 2/2ⁿ (0.25 for n = 3). – marks a statistic that is undefined: "
+                  "fewer than 2 pairs, for the t-test every difference equal (zero variance), for Wilcoxon "
+                  "every difference zero.", "",
                   "| A | B | " + " | ".join(keys) + (" | " if keys else "")
                   + "n | B − A (mean ± std) | t | p (t-test) | W | p (Wilcoxon) |",
                   "|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|"]
@@ -763,15 +783,15 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
         sweep = load_sweep(path, output)
         if list_only:
             for cell in sweep.cells:
-                console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {cell.cell_id}")
+                console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {escape(cell.cell_id)}")
             return 0
         outcome = run_sweep(sweep, threads=threads)
     except ConfigError as error:  # a SweepError, or a stored config this fedhog cannot read
-        console.print(f"[bold red]sweep error:[/] {error}")
+        console.print(f"[bold red]sweep error:[/] {escape(str(error))}")
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: finished cells are kept; run the sweep again to continue[/]")
         return 130
     console.print(f"{len(outcome.ran)} cells run, {len(outcome.skipped)} already finished, "
-                  f"{len(outcome.failed)} failed → [bold]{sweep.output / 'summary.md'}[/]")
+                  f"{len(outcome.failed)} failed → [bold]{escape(str(sweep.output / 'summary.md'))}[/]")
     return 1 if outcome.failed else 0

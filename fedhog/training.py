@@ -61,11 +61,10 @@ def train_locally(
     device = next(model.parameters()).device
     x, y = as_tensors(data, device)
     sgd = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
-    order_rng = np.random.default_rng(seed)
     model.train()
     losses, cubic_steps = [], 0
-    for _ in range(epochs):
-        for batch in np.array_split(order_rng.permutation(len(data)), max(1, -(-len(data) // batch_size))):
+    for epoch in local_batches(len(data), epochs, batch_size, seed):
+        for batch in epoch:
             index = torch.as_tensor(batch, device=device)
             if optimizer == "hog-step":
                 step = third_order_step_size(model, x[index], y[index], max_step=learning_rate,
@@ -79,6 +78,24 @@ def train_locally(
             sgd.step()
             losses.append(loss.item())
     return LocalTraining(float(np.mean(losses)), len(losses), cubic_steps)
+
+
+def local_batches(num_examples: int, epochs: int, batch_size: int, seed: int) -> list[list[np.ndarray]]:
+    """Each epoch's minibatches of a client's examples: a fresh permutation from ``seed``'s stream per epoch,
+    split into ⌈n/B⌉ nearly equal batches (the order every engine trains a client in)."""
+    order_rng = np.random.default_rng(seed)
+    splits = max(1, -(-num_examples // batch_size))
+    return [np.array_split(order_rng.permutation(num_examples), splits) for _ in range(epochs)]
+
+
+def hog_rows(num_examples: int, hog_batch_size: int, seed: int) -> np.ndarray:
+    """The local examples a client computes its third-order term on."""
+    return np.random.default_rng(seed).permutation(num_examples)[:hog_batch_size]
+
+
+def control_term_seed(seed: int) -> int:
+    """The seed of ``hog-term = random``'s isotropic stand-in for the third-order term."""
+    return int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
 
 
 @torch.no_grad()

@@ -118,8 +118,9 @@ def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, ca
 def test_a_checkpoint_holds_the_model_the_accountant_and_diagnostics_only(tmp_path):
     _run(tmp_path, **{"adaptive-clipping": True, "count-noise-std": 2.0})
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
-    assert set(state) == {"round", "model", "accountant", "rounds", "adaptive_clipping", "job_id"}
+    assert set(state) == {"round", "model", "accountant", "rounds", "adaptive_clipping", "job_id", "server_optimizer"}
     assert set(state["adaptive_clipping"]) == {"clipping_norm", "steps"}
+    assert state["server_optimizer"] == {"first_moment": None, "second_moment": None}  # sgd keeps no moments
     def tensors(value):  # every tensor anywhere in the checkpoint
         if isinstance(value, torch.Tensor):
             yield value
@@ -172,7 +173,7 @@ def _aggregator(kind: str, adaptive: bool, clip: float) -> SecureAggregator:
     mechanism = MechanismSettings(kind, clip, 0.0, 0.5 if kind == "hog" else 0.0)
     accountant = ClientLevelAccountant(0.0, "fixed", 1.0, 4, 1e-6, has_guarantee=False)
     clipping = AdaptiveClipping(AdaptiveClippingSettings(clip, count_noise_std=1.0), 0.0) if adaptive else None
-    aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(3), "fixed", 1.0,
+    aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(3), "fixed", 1.0,  # q = 1
                                   adaptive_clipping=clipping)
     aggregator.slot_of_node = {node: slot for slot, node in enumerate(NODES)}
     return aggregator

@@ -181,7 +181,8 @@ NON_DEFAULT = {
     "client-dp": "none",  # dpsgd excludes optimizer hog-step
     "aggregator": "fedhog",  # flower-dp excludes adaptive clipping, resume, max-update-norm
     "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
-    "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "dpsgd-noise": "opacus-secure", "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
+    "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "dpsgd-noise": "opacus-secure", "server-optimizer": "yogi",
+    "server-momentum": 0.5, "server-beta2": 0.9, "server-tau": 0.01, "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,
     "results-dir": 'runs/with "quotes", back\\slash, tab\tand é',
 }
@@ -214,6 +215,10 @@ def test_config_to_toml_round_trip_astral_characters(tmp_path):
     ({"dpsgd-max-grad-norm": 0.0}, "dpsgd-max-grad-norm"),
     ({"dpsgd-accountant": "moments"}, "dpsgd-accountant"),
     ({"dpsgd-noise": "torch"}, "dpsgd-noise"),
+    ({"server-optimizer": "lamb"}, "server-optimizer"),
+    ({"server-momentum": 1.0}, "server-momentum"),
+    ({"server-beta2": -0.5}, "server-beta2"),
+    ({"server-tau": 0.0}, "server-tau"),
     ({"adaptive-clipping": True, "mechanism": "none"}, "adaptive-clipping"),
     ({"adaptive-clipping": True, "target-quantile": 1.0}, "target-quantile"),
     ({"adaptive-clipping": True, "count-noise-std": 0.4, "noise-multiplier": 1.0}, "count-noise-std"),

@@ -3,6 +3,8 @@
 Both drive the very same ServerApp and ClientApp; sampling is keyed by
 partition id and replies are aggregated in partition order, so with a fixed
 seed the two differ at most by floating-point summation inside torch kernels.
+The Simulation Engine's SuperLink, SuperExec, flwr-simulation and Ray are
+fedhog's own: they run in a private folder and are gone when `fedhog run` exits.
 """
 
 from __future__ import annotations
@@ -12,22 +14,36 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tagged import new_tag, tagged
+
 pytestmark = pytest.mark.slow
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-rate=0.5", "rounds=3",
             "partitioner=\"iid\"", "privacy-seed=11", "noise-multiplier=0.5", "clipping-norm=2.0"]
 
 
-def _fedhog_run(engine: str, results, env, settings=SETTINGS) -> dict:
+def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None = None) -> dict:
+    """Run `fedhog run` to the end; with ``seen``, collect every process it started (pid -> command, cwd)."""
     args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine]
     for setting in settings + [f"results-dir=\"{results}\""]:
         args += ["--set", setting]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stdout + done.stderr + _tail(results / "flwr.log")
+    tag = new_tag()
+    with subprocess.Popen(args, env={**env, **tag}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=CHECKOUT) as run:
+        deadline = time.monotonic() + 420
+        while run.poll() is None and seen is not None and time.monotonic() < deadline:
+            seen.update(tagged(tag))
+            time.sleep(0.5)
+        output = run.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    assert run.returncode == 0, output + _tail(results / "flwr.log")
+    assert tagged(tag) == {}, "processes left behind"  # fedhog's SuperLink, SuperExec, flwr-simulation, Ray
     return json.loads((results / "metrics.json").read_text())
 
 
@@ -44,8 +60,15 @@ def env(tmp_path):
 
 
 def test_simulation_engine_matches_inprocess(tmp_path, env):
-    simulated = _fedhog_run("simulation", tmp_path / "simulation", env)
+    seen: dict[int, tuple[str, str]] = {}
+    simulated = _fedhog_run("simulation", tmp_path / "simulation", env, seen=seen)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env)
+
+    # run from the checkout, yet no Flower process works in it: a later `flwr run` cannot write into it
+    superlinks = [cwd for command, cwd in seen.values() if "flower-superlink" in command]
+    assert superlinks and all(not Path(cwd).is_relative_to(CHECKOUT) for cwd in superlinks), seen
+    assert all(not Path(cwd).is_relative_to(CHECKOUT) for command, cwd in seen.values()
+               if "fedhog.cli" not in command), seen
 
     assert simulated["status"] == in_process["status"] == "finished"
     for a, b in zip(simulated["rounds"], in_process["rounds"], strict=True):

@@ -1,6 +1,7 @@
 """The higher-order mixing and the Gaussian mechanism, against hand computations and statistics."""
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -27,14 +28,29 @@ def t64(*values):
     return torch.tensor(values, dtype=F64)
 
 
+class One(NamedTuple):
+    """The stats of a single contribution."""
+
+    norm_before_clip: float
+    clipped: bool
+    mixing_ratio: float
+
+
+def constrain_one(update, term, xi, settings_):
+    """constrain_sensitivity on one contribution: a batch of one row."""
+    out, stats = constrain_sensitivity(update[None], None if term is None else term[None],
+                                       torch.tensor([xi], dtype=F64), settings_)
+    assert out.shape == (1, update.numel())
+    return out[0], One(stats.norms_before_clip[0], stats.clipped[0], stats.mixing_ratios[0])
+
+
 def mixed(update, term, gamma, xi, clip=1e9):
     """u = Δ + γξ(‖Δ‖/‖t‖)t, with a clipping norm too large to act."""
-    out, stats = constrain_sensitivity(update, term, xi, MechanismSettings("hog", clip, 0.0, gamma))
-    return out, stats
+    return constrain_one(update, term, xi, MechanismSettings("hog", clip, 0.0, gamma))
 
 
 def clip_only(vector, clip):
-    return constrain_sensitivity(vector, None, 0.0, MechanismSettings("gaussian", clip, 0.0))
+    return constrain_one(vector, None, 0.0, MechanismSettings("gaussian", clip, 0.0))
 
 
 # --- the mixing ---------------------------------------------------------------
@@ -82,9 +98,9 @@ def test_zero_term_zero_update_or_zero_gamma_leave_the_update():
 
 def test_hog_needs_a_term_and_none_constrains_nothing():
     with pytest.raises(ValueError, match="third-order term"):
-        constrain_sensitivity(t64(1, 0), None, 0.1, MechanismSettings("hog", 1.0, 0.0, 1.0))
+        constrain_one(t64(1, 0), None, 0.1, MechanismSettings("hog", 1.0, 0.0, 1.0))
     with pytest.raises(ValueError, match="does not constrain"):
-        constrain_sensitivity(t64(1, 0), None, 0.0, MechanismSettings("none", 1.0, 0.0))
+        constrain_one(t64(1, 0), None, 0.0, MechanismSettings("none", 1.0, 0.0))
     with pytest.raises(ValueError, match="NaN or inf"):
         clip_only(t64(1, math.inf), 1.0)
 
@@ -157,7 +173,7 @@ def test_any_finite_float32_contribution_is_finite_and_inside_the_ball(update, t
     delta = torch.tensor(update, dtype=torch.float32)
     t = torch.tensor(term[:len(update)], dtype=torch.float32)
     for settings_ in (MechanismSettings("gaussian", clip, 1.0), MechanismSettings("hog", clip, 1.0, gamma)):
-        out, stats = constrain_sensitivity(delta, t, xi, settings_)
+        out, stats = constrain_one(delta, t, xi, settings_)
         assert out.dtype == F64 and bool(torch.isfinite(out).all())
         assert math.hypot(*out.tolist()) <= clip
         assert not math.isnan(stats.norm_before_clip)
@@ -313,7 +329,7 @@ def noise_of(contributions, sigma, clip, k, seed, numel=NUMEL):
     xis = [0.0] * len(contributions)
     noisy, stats = aggregate(contributions, settings_, k, xis, SeededBits(seed), numel, F64)
     lattice = NoiseLattice.for_settings(settings_, numel)
-    clean = sum(lattice.quantize(constrain_sensitivity(c.update, None, 0.0, settings_)[0]) for c in contributions)
+    clean = sum(lattice.quantize(constrain_one(c.update, None, 0.0, settings_)[0]) for c in contributions)
     return (noisy - clean.to(F64) * lattice.granularity / k).numpy(), stats
 
 
@@ -404,3 +420,18 @@ def test_stats_hand_example_with_noise():
 
 def test_clip_guard_is_a_hair_inside_c():
     assert 1 - 1e-11 < CLIP_GUARD < 1
+
+
+def test_a_batch_constrains_each_row_as_if_alone():
+    """Stacked [R, P] rows with different norms, terms and ξ give exactly what each row gives alone."""
+    gen = torch.Generator().manual_seed(8)
+    updates = torch.randn(7, 30, generator=gen, dtype=F64) * torch.tensor([0.01, 0.5, 1, 2, 10, 0, 1e3])[:, None]
+    terms = torch.randn(7, 30, generator=gen, dtype=F64)
+    terms[2] = 0.0
+    xis = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7, 1.1, -0.4], dtype=F64)
+    settings_ = MechanismSettings("hog", 1.5, 0.0, 0.6)
+    batch, stats = constrain_sensitivity(updates, terms, xis, settings_)
+    for r in range(7):
+        alone, one = constrain_one(updates[r], terms[r], float(xis[r]), settings_)
+        torch.testing.assert_close(batch[r], alone, rtol=0, atol=0)
+        assert (stats.norms_before_clip[r], stats.clipped[r], stats.mixing_ratios[r]) == tuple(one)

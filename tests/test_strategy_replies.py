@@ -14,6 +14,7 @@ from fedhog.engine import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice, rounded_gaussian
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, standard_normal
+from fedhog.server_optimizer import ServerOptimizerSettings
 from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
 
 # node ids are deliberately not in partition order
@@ -51,7 +52,8 @@ def make_aggregator(kind="gaussian", sigma=0.0, clip=1.0, gamma=0.0, population=
     mechanism = MechanismSettings(kind, clip, sigma, gamma)
     accountant = ClientLevelAccountant(sigma, sampling, rate, population, 1e-5 / population,
                                        has_guarantee=mechanism.has_guarantee)
-    aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(seed), sampling, rate, eta)
+    aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(seed), sampling, rate,
+                                  ServerOptimizerSettings("sgd", eta))
     aggregator.slot_of_node = {node: partition for partition, node in enumerate(NODES[:population])}
     messages = list(aggregator.configure_train(1, as_record(GLOBAL_FLAT), ConfigRecord(), grid=None))
     return aggregator, {m.metadata.dst_node_id: m for m in messages}

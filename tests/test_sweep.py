@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fedhog.sweep import SweepError, cell_id_of, load_sweep, privacy_seed_for, run_sweep
+from fedhog.sweep import (SweepError, cell_id_of, load_sweep, paired_comparisons, privacy_seed_for, run_sweep,
+                          summary_markdown, sweep_command)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "sweep_smoke.toml"
@@ -199,6 +200,8 @@ def test_paired_statistics_match_scipy_on_the_csv(smoke):
         t_test, wilcoxon = stats.ttest_rel(b, a), stats.wilcoxon(b - a)
         assert comparison.replicates == ((0,), (1,))
         assert comparison.differences == pytest.approx(b - a)
+        if np.ptp(np.round(b - a, 12)) == 0:  # equal differences: the t-test is undefined (see below)
+            t_test = stats.ttest_1samp([np.nan], 0.0)
         assert comparison.t_statistic == pytest.approx(t_test.statistic, nan_ok=True)
         assert comparison.t_pvalue == pytest.approx(t_test.pvalue, nan_ok=True)
         assert comparison.wilcoxon_statistic == pytest.approx(wilcoxon.statistic, nan_ok=True)
@@ -256,3 +259,39 @@ def test_a_finished_cell_run_with_another_config_is_an_error(smoke, tmp_path):
     changed.write_text(text)
     with pytest.raises(SweepError, match=r"was run with a different config \(learning-rate: 0.1 → 0.2\)"):
         run_sweep(load_sweep(changed, output), show_progress=False)
+
+
+@pytest.mark.filterwarnings("ignore:Precision loss occurred:RuntimeWarning")  # scipy on the bug's input, on purpose
+def test_zero_variance_pairs_are_reported_alike_however_the_floats_fell(tmp_path):
+    """B − A the same in every pair: but for float rounding (+0.1), exactly (+0.125), or zero."""
+    names = ("a", "b", "e", "f")
+    sweep = load_sweep(_write(tmp_path, 'output = "o"\n[grid]\nseed = [0, 1, 2]\n'
+                                        + "".join(f'[[variants]]\nname = "{n}"\n' for n in names)))
+    a, e = np.array([0.1, 0.7, 0.3]), np.array([0.25, 0.5, 0.75])
+    accuracies = {"a": a, "b": a + 0.1, "e": e, "f": e + 0.125}
+    assert np.ptp(accuracies["b"] - a) > 0 and abs(stats.ttest_rel(accuracies["b"], a).statistic) > 1e12  # the bug
+    assert np.ptp(accuracies["f"] - e) == 0  # scipy: t = inf
+    rows = [{"cell_id": f"{v}-{s}", "variant": v, "seed": s, "round": 2, "accuracy": float(accuracies[v][s]),
+             "epsilon": 1.0, "sigma": 1.0} for v in accuracies for s in range(3)]
+    pairs = [("a", "b"), ("e", "f"), ("a", "a")]
+    comparisons = paired_comparisons(rows, pairs, [], ["seed"])
+    for comparison in comparisons:
+        assert np.isnan(comparison.t_statistic) and np.isnan(comparison.t_pvalue), comparison
+    ab, ef, aa = comparisons
+    assert ab.differences == (0.1, 0.1, 0.1) and ef.differences == (0.125,) * 3
+    for comparison in (ab, ef):  # all positive: defined, p = 2/2³
+        assert (comparison.wilcoxon_statistic, comparison.wilcoxon_pvalue) == (0.0, 0.25)
+    assert np.isnan(aa.wilcoxon_statistic) and np.isnan(aa.wilcoxon_pvalue)  # all zero: undefined
+    summary = summary_markdown(sweep, rows, comparisons)
+    table = [line for line in summary.splitlines() if line.startswith(("| a | b |", "| e | f |", "| a | a |"))]
+    assert [line.split(" | ")[4:6] for line in table] == [["–", "–"]] * 3  # t, p
+    assert "1e+16" not in summary and "e-17" not in summary
+    assert "– marks a statistic that is undefined" in summary
+
+
+def test_sweep_errors_print_their_brackets_and_near_misses(tmp_path, capsys):
+    assert sweep_command(_write(tmp_path, 'output = "o"\n[grids]\nseed = [0]\n')) == 2
+    error = capsys.readouterr().err
+    assert "(run-config keys go under [base], [grid] or [[variants]])" in error
+    assert "unknown key 'grids'; did you mean 'grid'?" in error
+    assert len([line for line in error.splitlines() if line.strip()]) == 1

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from scipy.special import ndtr
@@ -97,15 +97,6 @@ class Contribution:
 
 
 @dataclass(frozen=True)
-class ContributionStats:
-    """What :func:`constrain_sensitivity` saw of one contribution (private: operator diagnostics)."""
-
-    norm_before_clip: float  # ‖u_i‖ (inf if it exceeds float64; then it is clipped)
-    clipped: bool  # ‖u_i‖ > C
-    mixing_ratio: float  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0 for a zero term or update; NaN without mixing)
-
-
-@dataclass(frozen=True)
 class AggregateStats:
     """What the mechanism did in one round, for logs and results."""
 
@@ -117,75 +108,111 @@ class AggregateStats:
     norms_before_clip: tuple[float, ...] = ()  # ‖u_i‖ before clipping: private, for adaptive clipping only
 
 
-def _largest_entry(vector: torch.Tensor) -> float:
-    return float(vector.abs().max()) if vector.numel() else 0.0
+def norms_of(vectors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool]]:
+    """Each vector's L2 norm (float64, scaled: no overflow for finite entries) and whether its entries are finite.
 
-
-def stable_norm(vector: torch.Tensor) -> float:
-    """The L2 norm in float64 without overflow or underflow (scaled by the largest entry).
-
-    Returns ``inf`` or ``nan`` when the vector holds them, and ``inf`` when the
-    norm itself exceeds the float64 range.
+    Stacked :func:`rows_per_pass` vectors at a time, so K checks cost a few batched passes, not K.
     """
-    vector = vector.to(torch.float64)
-    largest = _largest_entry(vector)
-    if largest == 0.0 or not math.isfinite(largest):
-        return largest
-    return largest * float(torch.linalg.vector_norm(vector / largest))
+    norms: list[float] = []
+    finite: list[bool] = []
+    step = rows_per_pass(vectors[0].numel()) if vectors else 1
+    for start in range(0, len(vectors), step):
+        rows = torch.stack(list(vectors[start:start + step])).to(torch.float64)
+        row_norms, largest = _row_norms_and_largest(rows)
+        norms += row_norms.tolist()
+        finite += torch.isfinite(largest).tolist()  # the largest |entry| is NaN or inf iff an entry is
+    return norms, finite
 
 
-def unit_vector(vector: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``vector / ‖vector‖`` in float64 (zeros for a zero vector) and the norm, without overflow."""
-    vector = vector.to(torch.float64)
-    largest = _largest_entry(vector)
-    if not math.isfinite(largest):
+def rows_per_pass(numel: int) -> int:
+    """How many contributions are stacked at once: about 2 MiB of float64, which stays in cache."""
+    return max(1, 2**18 // max(numel, 1))
+
+
+def _row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's L2 norm, scaled by its largest entry (float64 rows in, [R] out; NaN or inf for such rows)."""
+    return _row_norms_and_largest(rows)[0]
+
+
+def _row_norms_and_largest(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    largest = rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros(len(rows), dtype=rows.dtype)
+    usable = (largest > 0) & torch.isfinite(largest)
+    scale = torch.where(usable, largest, torch.ones_like(largest))
+    return torch.where(usable, scale * torch.linalg.vector_norm(rows / scale[:, None], dim=1), largest), largest
+
+
+def _unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row divided by its norm (zero rows stay zero) and the norms, without overflow."""
+    norms = _row_norms(rows)
+    if not bool(torch.isfinite(norms).all()):
         raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
-    if largest == 0.0:
-        return torch.zeros_like(vector), 0.0
-    scaled = vector / largest  # entries in [-1, 1]
-    relative = float(torch.linalg.vector_norm(scaled))  # in [1, √d]
-    return scaled / relative, largest * relative
+    largest = rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros_like(norms)
+    scale = torch.where(largest > 0, largest, torch.ones_like(largest))
+    relative = torch.where(largest > 0, norms / scale, torch.ones_like(norms))  # ‖row / largest‖ ∈ [1, √d]
+    return rows / scale[:, None] / relative[:, None], norms
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What :func:`constrain_sensitivity` saw of each contribution (private: operator diagnostics)."""
+
+    norms_before_clip: tuple[float, ...]  # ‖u_i‖ (inf if it exceeds float64; then it is clipped)
+    clipped: tuple[bool, ...]  # ‖u_i‖ > C
+    mixing_ratios: tuple[float, ...]  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0: zero term or update; NaN: no mixing)
 
 
 def constrain_sensitivity(
-    update: torch.Tensor, term: torch.Tensor | None, xi: float, settings: MechanismSettings
-) -> tuple[torch.Tensor, ContributionStats]:
-    """Mix (``hog``) and clip one contribution: return c = clip_C(u) in float64 and what was seen.
+    updates: torch.Tensor, terms: torch.Tensor | None, xis: torch.Tensor, settings: MechanismSettings
+) -> tuple[torch.Tensor, RowStats]:
+    """Mix (``hog``) and clip stacked contributions ``[R, P]``: return c_i = clip_C(u_i) in float64 and stats.
 
     u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when
     ‖u‖ ≤ C, else w scaled to norm C: no intermediate exceeds ‖Δ‖ or |γξ|, so
     c is finite and ‖c‖ < C for every finite Δ and t (subnormal, huge or
     zero). The bound is applied a hair inside C (:data:`CLIP_GUARD`) so that
     rounding in the norm cannot take c past C. A zero term carries no
-    direction (u = Δ).
+    direction (u = Δ); a contribution that needs no clipping and no mixing
+    comes back unchanged.
 
     Raises
     ------
     ValueError
-        If Δ or t is not finite (replies must be checked before), or ``hog``
-        gets no term.
+        If a Δ or t is not finite (replies must be checked before), or ``hog``
+        gets no terms.
     """
     if settings.kind == "none":
         raise ValueError("mechanism 'none' does not constrain contributions")
-    update = update.to(torch.float64, copy=True)
-    direction, update_norm = unit_vector(update)
-    mixing_ratio, mixed = math.nan, False
-    if settings.kind == "hog":
-        if term is None:
-            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
-        term_direction, term_norm = unit_vector(term)
-        coefficient = settings.mixing_strength * xi
-        mixed = term_norm > 0 and update_norm > 0 and coefficient != 0
-        mixing_ratio = abs(coefficient) if mixed else 0.0
-        if mixed:
-            direction = direction + coefficient * term_direction
-    relative_norm = stable_norm(direction) if mixed else 1.0  # ‖u‖ / ‖Δ‖
-    norm_before_clip = update_norm * relative_norm
-    stats = ContributionStats(norm_before_clip, norm_before_clip > settings.clipping_norm, mixing_ratio)
+    updates = updates.to(torch.float64)
     bound = settings.clipping_norm * CLIP_GUARD
-    if norm_before_clip <= bound:
-        return (direction * update_norm if mixed else update), stats
-    return direction * (bound / relative_norm), stats
+    if settings.kind == "gaussian":  # no mixing: scale each row by min(1, bound/‖Δ‖) (1.0 leaves it exact)
+        norms = _row_norms(updates)
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
+        inside = norms <= bound
+        factor = torch.where(inside, torch.ones_like(norms), bound / torch.where(inside, torch.ones_like(norms), norms))
+        stats = RowStats(tuple(norms.tolist()), tuple((norms > settings.clipping_norm).tolist()),
+                         (math.nan,) * len(norms))
+        return updates * factor[:, None], stats
+    direction, update_norms = _unit_rows(updates)
+    rows = len(updates)
+    mixed = torch.zeros(rows, dtype=torch.bool)
+    ratios = torch.full((rows,), math.nan, dtype=torch.float64)
+    if settings.kind == "hog":
+        if terms is None:
+            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+        term_direction, term_norms = _unit_rows(terms.to(torch.float64))
+        coefficients = settings.mixing_strength * xis.to(torch.float64)
+        mixed = (term_norms > 0) & (update_norms > 0) & (coefficients != 0)
+        ratios = torch.where(mixed, coefficients.abs(), torch.zeros_like(coefficients))
+        direction = direction + torch.where(mixed, coefficients, torch.zeros_like(coefficients))[:, None] * term_direction
+    relative = torch.where(mixed, _row_norms(direction), torch.ones_like(update_norms))  # ‖u‖ / ‖Δ‖
+    norms_before = update_norms * relative
+    inside = norms_before <= bound
+    scale = torch.where(inside, update_norms, bound / torch.where(relative > 0, relative, torch.ones_like(relative)))
+    out = torch.where((inside & ~mixed)[:, None], updates, direction * scale[:, None])
+    stats = RowStats(tuple(norms_before.tolist()), tuple((norms_before > settings.clipping_norm).tolist()),
+                     tuple(ratios.tolist()))
+    return out, stats
 
 
 @dataclass(frozen=True)
@@ -294,19 +321,25 @@ def aggregate(
         raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
     lattice = NoiseLattice.for_settings(settings, numel)
     total = torch.zeros(numel, dtype=torch.int64)
-    seen = []
-    for contribution, xi in zip(contributions, xis):
-        clipped, stats = constrain_sensitivity(contribution.update, contribution.term, xi, settings)
-        total += lattice.quantize(clipped)
-        seen.append(stats)
+    norms, clipped, ratios = [], [], []
+    step = rows_per_pass(numel)
+    for start in range(0, len(contributions), step):
+        chunk = contributions[start:start + step]
+        terms = None if settings.kind != "hog" else _stack([c.term for c in chunk], "third-order term")
+        rows, stats = constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
+                                            torch.tensor(xis[start:start + step], dtype=torch.float64), settings)
+        total += lattice.quantize(rows).sum(dim=0)
+        norms += stats.norms_before_clip
+        clipped += stats.clipped
+        ratios += [r for r in stats.mixing_ratios if not math.isnan(r)]
     noisy_sum, sum_std = add_noise(total, settings, lattice, bits)
     stats = AggregateStats(
         num_contributions=len(contributions),
-        mean_norm_before_clip=_mean([s.norm_before_clip for s in seen]),
-        fraction_clipped=_mean([float(s.clipped) for s in seen]),
+        mean_norm_before_clip=_mean(norms),
+        fraction_clipped=_mean([float(c) for c in clipped]),
         noise_std=sum_std / expected_cohort,
-        mean_mixing_ratio=_mean([s.mixing_ratio for s in seen if not math.isnan(s.mixing_ratio)]),
-        norms_before_clip=tuple(s.norm_before_clip for s in seen),
+        mean_mixing_ratio=_mean(ratios),
+        norms_before_clip=tuple(norms),
     )
     return (noisy_sum / expected_cohort).to(dtype), stats
 
@@ -317,11 +350,21 @@ def _federated_average(
     """Weighted mean of the updates (FedAvg), no privacy."""
     total = torch.zeros(numel, dtype=torch.float64)
     weight = sum(c.weight for c in contributions)
-    for contribution in contributions:
-        total += contribution.update.to(torch.float64) * contribution.weight
-    norms = [stable_norm(c.update) for c in contributions]
+    norms: list[float] = []
+    step = rows_per_pass(numel)
+    for start in range(0, len(contributions), step):
+        chunk = contributions[start:start + step]
+        rows = torch.stack([c.update for c in chunk]).to(torch.float64)
+        total += (rows * torch.tensor([float(c.weight) for c in chunk], dtype=torch.float64)[:, None]).sum(dim=0)
+        norms += _row_norms(rows).tolist()
     stats = AggregateStats(len(contributions), _mean(norms), 0.0, 0.0, math.nan)
     return (total / weight if weight > 0 else total).to(dtype), stats
+
+
+def _stack(tensors: list[torch.Tensor | None], what: str) -> torch.Tensor:
+    if any(t is None for t in tensors):
+        raise ValueError(f"mechanism 'hog' needs a {what} in every contribution")
+    return torch.stack(tensors)
 
 
 def _mean(values: list[float]) -> float:

@@ -1,0 +1,219 @@
+"""A whole cohort's local work as one batched computation (the vectorized engine's client side).
+
+Each sampled client does exactly what :mod:`fedhog.client_app` does — local
+SGD with momentum over :func:`~fedhog.training.local_batches`, then, for
+``hog``, the third-order term t = ∇_θ(vᵀ∇²L(θ)v) at the global model on
+:func:`~fedhog.training.hog_rows` — but the K clients run together:
+parameters are stacked ``[K, …]`` and every step is one
+batched forward (``torch.func.vmap`` over the clients) and one backward. Clients have different
+numbers of examples, so step s gathers each client's s-th minibatch padded to
+the longest with a mask: padded examples weigh nothing, and a client whose
+minibatches have run out takes no step (neither parameters nor momentum
+move), so every client takes exactly the steps of the per-client loop. The
+results equal the ClientApp's up to floating-point reassociation inside the
+batched kernels.
+
+The population's training data is moved to the device once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vmap
+
+from .training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
+
+
+@dataclass(frozen=True)
+class CohortWork:
+    """What the cohort's clients computed: rows in the order of the clients asked for.
+
+    ``updates`` and ``terms`` are ``[K, P]`` on the CPU in the layout of the
+    model's ``state_dict`` (its keys in order, each flattened); ``terms`` is
+    None without ``hog``, and ``term_finite[k]`` says whether row k holds a
+    finite term.
+    """
+
+    updates: torch.Tensor
+    terms: torch.Tensor | None
+    term_finite: list[bool]
+    mean_losses: list[float]
+    steps: list[int]
+    third_order_seconds: float
+
+
+class CohortTrainer:
+    """Local training and third-order terms for any cohort of one population.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The architecture (its parameters are replaced by the global model's on each call).
+    x, y : np.ndarray
+        The population's pooled training examples.
+    client_indices : sequence of np.ndarray
+        Client i's training examples are ``x[client_indices[i]]``.
+    device : torch.device
+        Where the data lives and the work runs.
+    """
+
+    def __init__(self, model: nn.Module, x: np.ndarray, y: np.ndarray, client_indices: tuple[np.ndarray, ...],
+                 device: torch.device) -> None:
+        buffers = [name for name, _ in model.named_buffers()]
+        if buffers:
+            raise ValueError(f"the vectorized engine trains models without buffers; this one has {buffers[:3]} "
+                             "(use --engine inprocess)")
+        self.model = model.to(device)
+        self.shapes = {key: value.shape for key, value in model.state_dict().items()}
+        self.keys = list(self.shapes)
+        self.device = device
+        self.x = torch.as_tensor(x, device=device)
+        self.y = torch.as_tensor(y, device=device)
+        self.client_indices = client_indices
+        self._forward = vmap(lambda params, x: functional_call(self.model, params, (x,)))
+        self._terms = vmap(self._third_order_term, in_dims=(None, 0, 0, 0, 0))
+
+    # --- the per-client functions that vmap batches ------------------------------
+    def _losses_and_gradients(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                              mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Each client's minibatch loss and its gradient with respect to its own parameters.
+
+        One batched forward (vmap over clients) and one backward of the sum of the clients' losses:
+        client k's loss depends on its parameters only, so the gradient of the sum is each one's own.
+        """
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        logits = self._forward(leaves, x)
+        losses = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(mask)
+        per_client = (losses * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
+        gradients = torch.autograd.grad(per_client.sum(), list(leaves.values()))
+        return dict(zip(leaves, gradients)), per_client.detach()
+
+    def _client_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the unmasked examples (the per-client loop's minibatch loss)."""
+        logits = functional_call(self.model, params, (x,))
+        losses = nn.functional.cross_entropy(logits, y, reduction="none")
+        return (losses * mask).sum() / mask.sum().clamp_min(1)
+
+    def _third_order_term(self, params: dict[str, torch.Tensor], direction: dict[str, torch.Tensor],
+                          x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """t = ∇_θ(vᵀ∇²L(θ)v): reverse mode over the second directional derivative, itself forward over forward
+        (vᵀ∇²L v = d²/ds² L(θ + s·v) at 0), which costs less than a Hessian-vector product inside."""
+        def first_directional(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return jvp(lambda q: self._client_loss(q, x, y, mask), (p,), (direction,))[1]
+
+        def second_directional(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return jvp(first_directional, (p,), (direction,))[1]
+
+        return grad(second_directional)(params)
+
+    # --- a round --------------------------------------------------------------------
+    def train(self, global_state: dict[str, torch.Tensor], partitions: list[int], seeds: list[int], epochs: int,
+              batch_size: int, learning_rate: float, momentum: float, hog: "HogSettings | None" = None) -> CohortWork:
+        """Train every client of the cohort from ``global_state``; with ``hog``, also their third-order terms."""
+        start = {k: v.to(self.device) for k, v in global_state.items()}
+        cohort = len(partitions)
+        params = {k: v.unsqueeze(0).expand(cohort, *v.shape).clone() for k, v in start.items()}
+        velocity: dict[str, torch.Tensor] = {}
+        index, mask, active = self._step_plan(partitions, seeds, epochs, batch_size)
+        total_loss = torch.zeros(cohort, dtype=torch.float64, device=self.device)
+        for step in range(index.shape[0]):
+            gradients, loss = self._losses_and_gradients(params, self.x[index[step]], self.y[index[step]], mask[step])
+            moving = active[step]
+            everyone = bool(moving.all())  # then no client needs holding back
+            total_loss += torch.where(moving, loss.double(), torch.zeros_like(total_loss))
+            for key, gradient in gradients.items():
+                if momentum > 0:  # torch.optim.SGD: v ← g on the first step, then v ← μ·v + g
+                    fresh = gradient if step == 0 else momentum * velocity[key] + gradient
+                    velocity[key] = fresh if everyone else _where_rows(moving, fresh, velocity[key])
+                    gradient = velocity[key]
+                stepped = params[key] - learning_rate * gradient
+                params[key] = stepped if everyone else _where_rows(moving, stepped, params[key])
+        steps = active.sum(dim=0)
+        updates = torch.cat([(params[k] - start[k]).reshape(cohort, -1) for k in self.keys], dim=1)
+        terms, finite, seconds = None, [True] * cohort, 0.0
+        if hog is not None:
+            started = time.perf_counter()
+            terms, finite = self._hog_terms(start, updates, partitions, seeds, hog)
+            seconds = time.perf_counter() - started
+        return CohortWork(updates.detach().cpu(), None if terms is None else terms.cpu(), finite,
+                          (total_loss / steps.double()).tolist(), steps.tolist(), seconds)
+
+    def _step_plan(self, partitions: list[int], seeds: list[int], epochs: int,
+                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Example indices ``[S, K, B]``, their mask and whether client k takes step s (``[S, K]``)."""
+        plans = []
+        for partition, seed in zip(partitions, seeds):
+            own = self.client_indices[partition]
+            plans.append([own[batch] for epoch in local_batches(len(own), epochs, batch_size, seed) for batch in epoch])
+        steps = max(len(plan) for plan in plans)
+        width = max(len(batch) for plan in plans for batch in plan)
+        index = np.zeros((steps, len(plans), width), dtype=np.int64)
+        mask = np.zeros((steps, len(plans), width), dtype=np.float32)
+        for k, plan in enumerate(plans):
+            for s, batch in enumerate(plan):
+                index[s, k, :len(batch)] = batch
+                mask[s, k, :len(batch)] = 1.0
+        index_t = torch.as_tensor(index, device=self.device)
+        mask_t = torch.as_tensor(mask, device=self.device)
+        return index_t, mask_t, mask_t.sum(dim=2) > 0
+
+    def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, partitions: list[int],
+                   seeds: list[int], hog: "HogSettings") -> tuple[torch.Tensor, list[bool]]:
+        """Each client's third-order term (or its random control), flat ``[K, P]``."""
+        names = [name for name, _ in self.model.named_parameters()]
+        like = {k: start[k] for k in names}
+        if hog.term == "random":
+            rows = [self._flat({**like, **random_direction(like, control_term_seed(seed))}) for seed in seeds]
+            return torch.stack(rows), [True] * len(seeds)
+        directions = []
+        for k, seed in enumerate(seeds):
+            direction = None
+            if hog.direction == "update":
+                update = self._unflat(updates[k])
+                direction = unit_direction({n: update[n] for n in names})
+            directions.append(direction if direction is not None else random_direction(like, seed))
+        stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
+        rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
+                for p, s in zip(partitions, seeds)]
+        width = max(len(r) for r in rows)
+        index = np.zeros((len(rows), width), dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.float32)
+        for k, r in enumerate(rows):
+            index[k, :len(r)], mask[k, :len(r)] = r, 1.0
+        index_t = torch.as_tensor(index, device=self.device)
+        terms = self._terms(like, stacked_directions, self.x[index_t], self.y[index_t],
+                            torch.as_tensor(mask, device=self.device))
+        flat = torch.cat([terms[k].reshape(len(rows), -1) for k in self.keys], dim=1).detach()
+        return flat, torch.isfinite(flat).all(dim=1).tolist()
+
+    def _flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tensors[k].reshape(-1) for k in self.keys])
+
+    def _unflat(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for key in self.keys:
+            shape = self.shapes[key]
+            size = int(np.prod(shape))
+            out[key] = flat[offset:offset + size].reshape(shape)
+            offset += size
+        return out
+
+
+@dataclass(frozen=True)
+class HogSettings:
+    """How clients compute their third-order terms (``hog-direction``, ``hog-term``, ``hog-batch-size``)."""
+
+    direction: str
+    term: str
+    batch_size: int
+
+
+def _where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` for the clients in ``rows`` (a [K] mask), ``old`` for the others."""
+    return torch.where(rows.reshape(-1, *([1] * (new.dim() - 1))), new, old)

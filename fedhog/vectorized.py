@@ -1,0 +1,92 @@
+"""The vectorized engine: a Grid that trains the whole sampled cohort as one batched computation.
+
+:class:`VectorizedGrid` is the in-process Grid (the same ServerApp and
+SecureAggregator; discovery and any message go through the real ClientApp)
+that also offers ``train_cohort``: the strategy hands it the round's cohort
+and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
+instead of one message per client. Sampling, validation of the results, the
+mechanism, accounting, results folder, checkpoints and metrics are the
+strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
+``hog-step`` optimizer, Flower's DP baseline) runs client by client, as on
+``--engine inprocess``, and the run says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from logging import WARNING
+
+from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.serverapp import ServerApp
+
+from . import protocol
+from .cohort import CohortTrainer, HogSettings
+from .config import RunConfig
+from .data import dataset_info, population_training_data
+from .engine import InProcessGrid
+from .models import build_model
+from .monitoring import measure_peak_memory
+from .strategy import ClientResult
+from .training import direction_seed, select_device
+
+
+def unbatchable_reason(config: RunConfig) -> str | None:
+    """Why ``config``'s clients cannot train as one batch (None when they can)."""
+    if config.client_dp == "dpsgd":
+        return "client-dp='dpsgd' trains each client with Opacus"
+    if config.optimizer == "hog-step":
+        return "optimizer='hog-step' sizes each client's steps from its own derivatives"
+    if config.aggregator == "flower-dp":
+        return "aggregator='flower-dp' is Flower's own strategy, which sends one message per client"
+    return None
+
+
+class VectorizedGrid(InProcessGrid):
+    """The in-process Grid plus ``train_cohort`` for batched rounds (see the module docstring)."""
+
+    def __init__(self, client_app: ClientApp, config: RunConfig) -> None:
+        super().__init__(client_app, config.population, config.to_mapping())
+        self.config = config
+        self.partition_of_node = {node: int(c.node_config["partition-id"]) for node, c in self.contexts.items()}
+        x, y, self.client_indices = population_training_data(config.data_spec)
+        model = build_model(config.model, *dataset_info(config.data_spec))
+        self.device = select_device(config.device)
+        self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
+        self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
+                    if config.mechanism == "hog" else None)
+
+    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
+        """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
+        config = self.config
+        nodes = list(cohort)
+        partitions = [self.partition_of_node[node] for node in nodes]
+        seeds = [direction_seed(config.seed, server_round, p) for p in partitions]
+        with measure_peak_memory(self.device) as peak:
+            work = self.trainer.train(arrays.to_torch_state_dict(), partitions, seeds, config.local_epochs,
+                                      config.batch_size, config.learning_rate, config.momentum, self.hog)
+        results = []
+        for k, (node, partition) in enumerate(zip(nodes, partitions)):
+            loss = work.mean_losses[k]
+            metrics = {protocol.PARTITION_ID: partition, protocol.NUM_EXAMPLES: len(self.client_indices[partition]),
+                       "train-loss": loss if loss == loss else -1.0, "local-steps": work.steps[k]}
+            term = None
+            if self.hog is not None:
+                metrics.update({"third-order-seconds": work.third_order_seconds / len(nodes),
+                                protocol.THIRD_ORDER_FINITE: int(work.term_finite[k]), **peak.as_metrics()})
+                term = work.terms[k] if work.term_finite[k] else None
+            results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
+        return results
+
+
+def run_vectorized(server_app: ServerApp, client_app: ClientApp, config: RunConfig) -> None:
+    """Run ``server_app`` on the vectorized engine (client by client where the config cannot batch)."""
+    reason = unbatchable_reason(config)
+    if reason is None:
+        grid: InProcessGrid = VectorizedGrid(client_app, config)
+    else:
+        log(WARNING, "vectorized engine: %s, so its clients run one by one, as with --engine inprocess", reason)
+        grid = InProcessGrid(client_app, config.population, config.to_mapping())
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
+    server_app(grid, context)

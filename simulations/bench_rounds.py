@@ -1,0 +1,177 @@
+"""Seconds per round and peak memory of fedhog's engines, side by side in one run.
+
+The workload of issue 11: MNIST-1D, 1 000 clients of about 20 examples
+(Dirichlet 0.5), Poisson sampling q = 0.1 (cohorts of 100), one local epoch of
+batch 10, DP-FedAvg with σ = 1.675 or HOG mixing with γ = 0.5, an MLP or the
+1-D CNN. Every configuration runs in a fresh process (so its peak RSS is its
+own) on:
+
+- ``inprocess``: the Flower apps, one message per client (:mod:`fedhog.engine`);
+- ``vectorized``: the cohort as one batch (:mod:`fedhog.vectorized`);
+- ``simulation`` (``--full`` only): Flower's Simulation Engine through ``fedhog run``.
+
+The figure is the median of rounds 2..T of each run's own per-round
+``seconds`` in ``metrics.json`` (sampling to evaluation, results written).
+The vectorized engine also runs populations of 10 000 and 100 000 clients
+with cohorts of 100 (IID, about 20 examples each: MNIST-1D is generated
+once and cached, which takes minutes for 100 000 clients), and a long run of
+500 rounds whose RSS is sampled every 50 rounds (it must stay flat).
+
+Usage::
+
+    python simulations/bench_rounds.py            # Markdown tables
+    python simulations/bench_rounds.py --json     # {"rows": [...], "rss_over_rounds": [...]}
+    python simulations/bench_rounds.py --quick    # fewer rounds, population 1 000 only
+    python simulations/bench_rounds.py --full     # adds Flower's Simulation Engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOAD = {"dataset": "mnist1d", "num-samples": 32_000, "population": 1000, "sampling-rate": 0.1,
+            "partitioner": "dirichlet", "local-epochs": 1, "batch-size": 10, "learning-rate": 0.05,
+            "noise-multiplier": 1.675, "mixing-strength": 0.5, "clipping-norm": 1.0, "privacy-seed": 1}
+EXAMPLES_PER_CLIENT = 32  # num-samples per client: 20% test, 10% validation, about 22 to train
+
+
+def run_one(spec: dict) -> dict:
+    """Run one configuration in this process; return its measures (called in a child process)."""
+    import torch
+
+    from fedhog import results
+    from fedhog.client_app import app as client_app
+    from fedhog.config import RunConfig
+    from fedhog.engine import run_in_process
+    from fedhog.server_app import app as server_app
+    from fedhog.vectorized import run_vectorized
+
+    torch.set_num_threads(spec["threads"])
+    config = RunConfig().with_overrides(spec["config"])
+    rss: list[tuple[int, float]] = []
+    add_round = results.ResultsWriter.add_round
+
+    def recording(writer, record):  # RSS after every round, for the long run
+        add_round(writer, record)
+        rss.append((record.round, _rss_mib()))
+
+    results.ResultsWriter.add_round = recording
+    if spec["engine"] == "vectorized":
+        run_vectorized(server_app, client_app, config)
+    else:
+        run_in_process(server_app, client_app, config.population, config.to_mapping())
+    document = json.loads((Path(config.results_dir) / "metrics.json").read_text())
+    seconds = [r["seconds"] for r in document["rounds"][1:]]
+    return {"seconds_per_round": statistics.median(seconds), "peak_rss_mib": _peak_rss_mib(), "rss": rss}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(engine: str, overrides: dict, rounds: int, threads: int, workdir: Path) -> dict:
+    """One configuration in a fresh process (or Flower's Simulation Engine through the CLI)."""
+    config = {**WORKLOAD, **overrides, "rounds": rounds, "results-dir": str(workdir / f"{time.time_ns()}")}
+    if engine == "simulation":
+        return _measure_simulation(config)
+    spec = json.dumps({"engine": engine, "config": config, "threads": threads})
+    done = subprocess.run([sys.executable, __file__, "--one", spec], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} {overrides} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_simulation(config: dict) -> dict:
+    args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", "simulation"]
+    for key, value in config.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    started = time.perf_counter()
+    subprocess.run(args, check=True, capture_output=True, env={**os.environ,
+                                                               "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"})
+    document = json.loads((Path(config["results-dir"]) / "metrics.json").read_text())
+    seconds = [r["seconds"] for r in document["rounds"][1:]]
+    return {"seconds_per_round": statistics.median(seconds), "peak_rss_mib": float("nan"), "rss": [],
+            "wall_seconds": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, population 1 000 only")
+    parser.add_argument("--full", action="store_true", help="also Flower's Simulation Engine")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each run (default 1)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return
+    rounds = 6 if args.quick else 20
+    engines = ["inprocess", "vectorized"] + (["simulation"] if args.full else [])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedhog-bench-") as work:
+        workdir = Path(work)
+        for model in ("mlp", "cnn1d"):
+            for mechanism in ("gaussian", "hog"):
+                for engine in engines:
+                    result = measure(engine, {"model": model, "mechanism": mechanism}, rounds, args.threads, workdir)
+                    rows.append({"engine": engine, "model": model, "mechanism": mechanism, "population": 1000,
+                                 "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                                 "peak_rss_mib": result["peak_rss_mib"]})
+                    _progress(rows[-1], args.json)
+        for population in () if args.quick else (10_000, 100_000):
+            scale = {"model": "mlp", "mechanism": "gaussian", "population": population, "partitioner": "iid",
+                     "sampling-rate": 100 / population, "num-samples": EXAMPLES_PER_CLIENT * population,
+                     "delta": 0.1 / population}  # δ must stay below 1/N
+            result = measure("vectorized", scale, rounds, args.threads, workdir)
+            rows.append({"engine": "vectorized", "model": "mlp", "mechanism": "gaussian", "population": population,
+                         "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                         "peak_rss_mib": result["peak_rss_mib"]})
+            _progress(rows[-1], args.json)
+        long_rounds = 60 if args.quick else 500
+        long = measure("vectorized", {"model": "mlp", "mechanism": "gaussian"}, long_rounds, args.threads, workdir)
+        rss_over_rounds = [{"round": r, "rss_mib": m} for r, m in long["rss"] if r % (long_rounds // 10) == 0]
+    if args.json:
+        print(json.dumps({"rows": rows, "rss_over_rounds": rss_over_rounds}, indent=2))
+        return
+    print(f"torch threads per run: {args.threads}; median of rounds 2..{rounds}\n")
+    print("| engine | model | mechanism | population | cohort | ms / round | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['engine']} | {row['model']} | {row['mechanism']} | {row['population']:,} | {row['cohort']} "
+              f"| {row['seconds_per_round'] * 1e3:.1f} | {row['peak_rss_mib']:.0f} |")
+    print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism):")
+    for model in ("mlp", "cnn1d"):
+        for mechanism in ("gaussian", "hog"):
+            pick = {r["engine"]: r["seconds_per_round"] for r in rows
+                    if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000}
+            print(f"- {model} {mechanism}: {pick['inprocess'] / pick['vectorized']:.1f}×")
+    for model in ("mlp", "cnn1d"):
+        pick = {r["mechanism"]: r["seconds_per_round"] for r in rows
+                if r["model"] == model and r["engine"] == "vectorized" and r["population"] == 1000}
+        print(f"- vectorized {model}: a hog round costs {pick['hog'] / pick['gaussian']:.2f}× a gaussian round")
+    print(f"\nRSS of one vectorized run over {long_rounds} rounds (MiB): "
+          + ", ".join(f"round {p['round']}: {p['rss_mib']:.0f}" for p in rss_over_rounds))
+
+
+def _progress(row: dict, quiet: bool) -> None:
+    if not quiet:
+        print(f"  measured {row['engine']} {row['model']} {row['mechanism']} N={row['population']}: "
+              f"{row['seconds_per_round'] * 1e3:.1f} ms/round", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

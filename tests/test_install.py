@@ -1,0 +1,79 @@
+"""A regular (non-editable) install in a fresh venv runs `fedhog run`, outside any checkout, from a shell that has
+not activated the venv (as pipx does): the packaged quickstart, the Flower app bundle written at run time, Flower's
+executables found beside the interpreter — and nothing left running, nothing written to ~/.flwr.
+
+Installing fedhog's dependencies into a new venv takes 2–3 minutes (from this machine's local package files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tagged import new_tag, tagged
+
+pytestmark = pytest.mark.slow
+CHECKOUT = Path(__file__).resolve().parents[1]
+TINY = ["dataset=digits", "model=logreg", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
+
+
+def _pip(venv: Path, *args: str) -> None:
+    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *args],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with fedhog installed from a wheel built out of a copy of the checkout."""
+    base = tmp_path_factory.mktemp("install")
+    source = base / "source"  # a copy, so that building leaves nothing (build/) in the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(CHECKOUT / name, source / name)
+    shutil.copytree(CHECKOUT / "fedhog", source / "fedhog", ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(base / "dist"),
+                            str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    _pip(venv, f"torch=={torch.__version__.split('+')[0]}")  # the CPU build this machine has (README: CPU index)
+    _pip(venv, str(next((base / "dist").glob("fedhog-*.whl"))))
+    return venv
+
+
+def test_the_installed_package_is_not_the_checkout(installed):
+    where = subprocess.run([str(installed / "bin" / "python"), "-c", "import fedhog; print(fedhog.__file__)"],
+                           capture_output=True, text=True, cwd="/", check=True).stdout.strip()
+    assert Path(where).is_relative_to(installed) and "site-packages" in where
+
+
+def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_path):
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    tag = new_tag()
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RAY_TMPDIR": ray, **tag,  # no venv on PATH
+               "FEDHOG_CACHE": os.environ.get("FEDHOG_CACHE", str(home / ".cache" / "fedhog"))}
+        command = [str(installed / "bin" / "fedhog"), "run"]  # no config: the packaged quickstart, made tiny
+        for setting in TINY:
+            command += ["--set", setting]
+        done = subprocess.run(command, env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (results,) = (elsewhere / "results").iterdir()
+    metrics = json.loads((results / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and len(metrics["rounds"]) == 2
+    assert metrics["config"]["learning-rate"] == 0.2  # the quickstart's, not the default 0.05
+    assert metrics["launch"] == {"command": "run", "engine": "simulation", "client_cpus": 1}
+    assert tagged(tag) == {}  # SuperLink, SuperExec, flwr-simulation, Ray: all stopped
+    assert not (home / ".flwr").exists()  # fedhog's FLWR_HOME was private
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["results"]
