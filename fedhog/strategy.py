@@ -151,7 +151,7 @@ class SecureAggregator(Strategy):
         self.max_epsilon = max_epsilon
         self.adaptive_clipping = adaptive_clipping
         self.max_update_norm = max_update_norm
-        self.slot_of_node: dict[int, int] = {}  # node id -> position in the population (see discover)
+        self.slot_of_node = {}  # node id -> position in the population (see discover)
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
@@ -182,6 +182,17 @@ class SecureAggregator(Strategy):
             log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible and therefore "
                 "predictable to anyone who knows the seed; the ε printed holds only against those who do not. "
                 "Use it for experiments only")
+
+    @property
+    def slot_of_node(self) -> dict[int, int]:
+        """Node id -> position in the population (see :meth:`discover`)."""
+        return self._slot_of_node
+
+    @slot_of_node.setter
+    def slot_of_node(self, mapping: dict[int, int]) -> None:
+        self._slot_of_node = dict(mapping)
+        self._slots = sorted(mapping.values())  # computed once, not every round (100 000 clients: 25 ms)
+        self._node_of_slot = {slot: node for node, slot in mapping.items()}
 
     def sampler_tail_delta(self, numel: int, rounds: int) -> float:
         """What the sampler's truncated normals add to δ over ``rounds`` releases (0 without a guarantee)."""
@@ -220,8 +231,7 @@ class SecureAggregator(Strategy):
     # --- training round ------------------------------------------------------
     def begin_round(self, server_round: int, arrays: ArrayRecord) -> dict[int, int]:
         """Sample this round's cohort (node id -> slot) and start its record."""
-        slots = sorted(self.slot_of_node.values())
-        node_of_slot = {slot: node for node, slot in self.slot_of_node.items()}
+        slots, node_of_slot = self._slots, self._node_of_slot
         self._round_randomness = self.randomness.for_round(server_round)
         chosen = sample_cohort(slots, self.sampling, self.sampling_rate, self._round_randomness.sampling)
         self._global = arrays

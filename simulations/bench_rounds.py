@@ -10,6 +10,9 @@ own) on:
 - ``vectorized``: the cohort as one batch (:mod:`fedhog.vectorized`);
 - ``simulation`` (``--full`` only): Flower's Simulation Engine through ``fedhog run``.
 
+An extra pair of rows runs the MLP with ``accountant = "rdp"``: the PLD
+accountant's ε after every round (10–35 ms, growing with the rounds) is the
+same work on every engine, so those rows show what the engines themselves cost.
 The figure is the median of rounds 2..T of each run's own per-round
 ``seconds`` in ``metrics.json`` (sampling to evaluation, results written).
 The vectorized engine also runs populations of 10 000 and 100 000 clients
@@ -132,6 +135,13 @@ def main() -> None:
                                  "cohort": 100, "seconds_per_round": result["seconds_per_round"],
                                  "peak_rss_mib": result["peak_rss_mib"]})
                     _progress(rows[-1], args.json)
+        for engine in engines[:2]:  # the same MLP round with RDP: what the engines cost without PLD's per-round ε
+            result = measure(engine, {"model": "mlp", "mechanism": "gaussian", "accountant": "rdp"}, rounds,
+                             args.threads, workdir)
+            rows.append({"engine": engine, "model": "mlp", "mechanism": "gaussian (rdp)", "population": 1000,
+                         "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                         "peak_rss_mib": result["peak_rss_mib"]})
+            _progress(rows[-1], args.json)
         for population in () if args.quick else (10_000, 100_000):
             scale = {"model": "mlp", "mechanism": "gaussian", "population": population, "partitioner": "iid",
                      "sampling-rate": 100 / population, "num-samples": EXAMPLES_PER_CLIENT * population,
@@ -154,11 +164,11 @@ def main() -> None:
         print(f"| {row['engine']} | {row['model']} | {row['mechanism']} | {row['population']:,} | {row['cohort']} "
               f"| {row['seconds_per_round'] * 1e3:.1f} | {row['peak_rss_mib']:.0f} |")
     print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism):")
-    for model in ("mlp", "cnn1d"):
-        for mechanism in ("gaussian", "hog"):
-            pick = {r["engine"]: r["seconds_per_round"] for r in rows
-                    if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000}
-            print(f"- {model} {mechanism}: {pick['inprocess'] / pick['vectorized']:.1f}×")
+    for model, mechanism in (("mlp", "gaussian"), ("mlp", "hog"), ("cnn1d", "gaussian"), ("cnn1d", "hog"),
+                             ("mlp", "gaussian (rdp)")):
+        pick = {r["engine"]: r["seconds_per_round"] for r in rows
+                if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000}
+        print(f"- {model} {mechanism}: {pick['inprocess'] / pick['vectorized']:.1f}×")
     for model in ("mlp", "cnn1d"):
         pick = {r["mechanism"]: r["seconds_per_round"] for r in rows
                 if r["model"] == model and r["engine"] == "vectorized" and r["population"] == 1000}
