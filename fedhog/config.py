@@ -26,6 +26,7 @@ from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_n
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
 from .server_optimizer import SERVER_OPTIMIZERS, ServerOptimizerSettings
+from .server_step import SERVER_STEPS, ServerStepSettings
 from .training import OPTIMIZERS
 
 HOG_DIRECTIONS = ("random", "update")
@@ -51,6 +52,8 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     validation_fraction: float = 0.1
+    server_validation_fraction: float = 0.0
+    proxy_fraction: float = 0.0
     population: int = 1000
     # model and local training
     model: str = "cnn1d"
@@ -69,6 +72,8 @@ class RunConfig:
     server_momentum: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    server_step: str = "none"
+    server_step_max: float = 4.0
     round_timeout: float = 600.0
     max_update_norm: float = math.inf
     # privacy
@@ -138,6 +143,8 @@ class RunConfig:
             alpha=self.dirichlet_alpha,
             classes_per_partition=self.classes_per_client,
             validation_fraction=self.validation_fraction,
+            server_validation_fraction=self.server_validation_fraction,
+            proxy_fraction=self.proxy_fraction,
             seed=self.seed,
         )
 
@@ -174,6 +181,11 @@ class RunConfig:
                                        self.server_beta2, self.server_tau)
 
     @property
+    def server_step_settings(self) -> ServerStepSettings:
+        """The step length the server takes along its optimizer's step (``server-step``)."""
+        return ServerStepSettings(self.server_step, self.server_step_max)
+
+    @property
     def expected_cohort(self) -> int:
         """K = q·N."""
         return int(round(self.sampling_rate * self.population))
@@ -195,6 +207,10 @@ class RunConfig:
         _choice("dpsgd-accountant", self.dpsgd_accountant, DPSGD_ACCOUNTANTS)
         _choice("dpsgd-noise", self.dpsgd_noise, DPSGD_NOISE)
         _choice("server-optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        _choice("server-step", self.server_step, SERVER_STEPS)
+        if self.server_step != "none" and self.proxy_fraction == 0:
+            raise ConfigError(f"server-step={self.server_step!r} needs proxy-fraction > 0: the step length comes "
+                              "from derivatives of the loss on proxy data the server holds (proxy-fraction=0)")
         for key in ("server-momentum", "server-beta2"):
             _check(key, self._get(key), 0 <= self._get(key) < 1, "a number in [0, 1)")
         try:
@@ -209,7 +225,8 @@ class RunConfig:
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
                     "hog-batch-size", "classes-per-client"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
-        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "server-tau", "clipping-norm",
+        for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "server-tau", "server-step-max",
+                    "clipping-norm",
                     "round-timeout"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value > 0, "a finite number > 0")
@@ -217,6 +234,11 @@ class RunConfig:
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value >= 0, "a finite number ≥ 0")
         _check("validation-fraction", self.validation_fraction, 0 <= self.validation_fraction < 1, "a number in [0, 1)")
+        for key in ("server-validation-fraction", "proxy-fraction"):
+            value = self._get(key)
+            _check(key, value, 0 <= value < 0.5, "a number in [0, 0.5): the share of all examples the server holds")
+            _check(key, value, value == 0 or not self.dataset.startswith("synthetic"),
+                   "0 for synthetic data, where every example belongs to a client")
         _check("sampling-rate", self.sampling_rate, 0 < self.sampling_rate <= 1, "a number in (0, 1]")
         cohort = self.sampling_rate * self.population
         _check("sampling-rate", self.sampling_rate, abs(cohort - round(cohort)) < 1e-6 and round(cohort) >= 1,
@@ -274,7 +296,8 @@ class RunConfig:
     def _validate_flower_dp(self) -> None:
         """Flower's accounted fixed-clipping wrapper runs one mechanism with one sampling and accountant."""
         required = {"mechanism": "gaussian", "sampling": "fixed", "accountant": "rdp", "client-dp": "none",
-                    "adaptive-clipping": False, "resume": False, "max-update-norm": math.inf}
+                    "adaptive-clipping": False, "resume": False, "max-update-norm": math.inf,
+                    "server-step": "none"}
         for key, allowed in required.items():
             if self._get(key) != allowed:
                 raise ConfigError(

@@ -16,6 +16,14 @@ Layout of one spec:
   ``test_fraction`` of it to the central test set. Plain ``synthetic`` is
   Synthetic(1, 1).
 
+Besides the test set, the server may hold two more sets apart from every
+client's data and from the test set (``mnist1d``, ``digits`` and ``hf:``
+only): a *server validation set* (``server_validation_fraction`` of all
+examples), on which hyperparameters are tuned and never on the test set, and a
+*proxy set* (``proxy_fraction``), public or proxy data for a server-side step.
+Both are taken from the training pool before it is partitioned; with both
+fractions 0 (the default) the clients' data is what it was without them.
+
 Each client's partition is then split into training (the rest) and validation
 (``floor(validation_fraction * n)`` examples). A client with ``n >= 1`` examples
 therefore always has at least one training example; a client with none gets
@@ -71,6 +79,10 @@ class DataSpec:
     test_fraction : float
         Fraction of all examples held out as the central test set, in (0, 1);
         ignored by ``hf:`` datasets, which use their ``test`` split.
+    server_validation_fraction : float
+        Fraction of all examples the server holds as its validation set, in [0, 1).
+    proxy_fraction : float
+        Fraction of all examples the server holds as proxy data, in [0, 1).
     seed : int
         Seed of data generation, splitting and partitioning.
     """
@@ -83,6 +95,8 @@ class DataSpec:
     classes_per_partition: int = 2
     validation_fraction: float = 0.1
     test_fraction: float = 0.2
+    server_validation_fraction: float = 0.0
+    proxy_fraction: float = 0.0
     seed: int = 0
 
 
@@ -104,6 +118,8 @@ class _Federation:
     x: np.ndarray
     y: np.ndarray
     test: ArrayData
+    server_validation: ArrayData
+    proxy: ArrayData
     clients: tuple[tuple[np.ndarray, np.ndarray], ...]  # (train, validation) indices
 
 
@@ -173,6 +189,16 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
         raise _reject("validation_fraction", spec.validation_fraction, "a number in [0, 1)")
     if not isinstance(spec.test_fraction, (int, float)) or not 0 < spec.test_fraction < 1:
         raise _reject("test_fraction", spec.test_fraction, "a number in (0, 1)")
+    for key in ("server_validation_fraction", "proxy_fraction"):
+        value = getattr(spec, key)
+        if not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise _reject(key, value, "a number in [0, 1)")
+        if value > 0 and _synthetic_params(dataset) is not None:
+            raise _reject(key, value, "0 for synthetic data, where every example belongs to a client")
+    held_out = spec.test_fraction + spec.server_validation_fraction + spec.proxy_fraction
+    if held_out >= 1:
+        raise _reject("server_validation_fraction", spec.server_validation_fraction,
+                      f"test_fraction + server_validation_fraction + proxy_fraction < 1 (they sum to {held_out:g})")
     if not _is_int(spec.seed) or spec.seed < 0:
         raise _reject("seed", spec.seed, "an integer >= 0")
     if partition_id is not None and (
@@ -205,6 +231,20 @@ def load_test_set(spec: DataSpec) -> ArrayData:
     validate_spec(spec)
     test = _federation(spec).test
     return ArrayData(test.x.copy(), test.y.copy())
+
+
+def load_server_validation_set(spec: DataSpec) -> ArrayData:
+    """Return the server's validation set (empty unless ``server_validation_fraction > 0``)."""
+    validate_spec(spec)
+    held = _federation(spec).server_validation
+    return ArrayData(held.x.copy(), held.y.copy())
+
+
+def load_proxy_set(spec: DataSpec) -> ArrayData:
+    """Return the server's proxy set (empty unless ``proxy_fraction > 0``)."""
+    validate_spec(spec)
+    held = _federation(spec).proxy
+    return ArrayData(held.x.copy(), held.y.copy())
 
 
 def load_client_data(spec: DataSpec, partition_id: int) -> tuple[ArrayData, ArrayData]:
@@ -249,10 +289,15 @@ def _federation(spec: DataSpec) -> _Federation:
         n_test = int(spec.test_fraction * len(y))
         test = ArrayData(x[order[:n_test]], y[order[:n_test]])
         x, y = x[order[n_test:]], y[order[n_test:]]
+    total = len(y) + len(test)
+    n_val, n_proxy = (int(fraction * total) for fraction in (spec.server_validation_fraction, spec.proxy_fraction))
+    order = np.random.default_rng([spec.seed, 1]).permutation(len(y)) if n_val + n_proxy else np.arange(len(y))
+    held = [ArrayData(x[i], y[i]) for i in (order[:n_val], order[n_val:n_val + n_proxy])]
+    x, y = x[order[n_val + n_proxy:]], y[order[n_val + n_proxy:]]
     clients = tuple(
         _train_val_split(part, spec.validation_fraction) for part in _partition(y, spec)
     )
-    return _Federation(x, y, test, clients)
+    return _Federation(x, y, test, held[0], held[1], clients)
 
 
 def _train_val_split(
@@ -359,8 +404,9 @@ def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federat
         np.concatenate([t[0] for t in tests]),
         np.concatenate([t[1] for t in tests]).astype(np.int64),
     )
+    empty = ArrayData(test.x[:0], test.y[:0])
     return _Federation(
-        np.concatenate(xs), np.concatenate(ys).astype(np.int64), test, tuple(clients)
+        np.concatenate(xs), np.concatenate(ys).astype(np.int64), test, empty, empty, tuple(clients)
     )
 
 

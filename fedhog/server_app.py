@@ -16,13 +16,14 @@ from flwr.serverapp import Grid, ServerApp
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
-from .data import dataset_info, load_test_set
+from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, client_error_summary, default_results_dir
+from .server_step import ProxyStepLength
 from .protocol import JOB_ID
 from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
 from .training import evaluate
@@ -38,7 +39,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def build_strategy(config: RunConfig) -> SecureAggregator:
-    """The aggregator, its accountant and its private randomness."""
+    """The aggregator, its accountant, its private randomness and, with ``server-step``, its step length."""
     mechanism = config.mechanism_settings
     accountant = ClientLevelAccountant(
         noise_multiplier=config.noise_multiplier,
@@ -54,7 +55,18 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
                             config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
-                            config.max_update_norm, equal_weights=config.client_dp == "dpsgd")
+                            config.max_update_norm, equal_weights=config.client_dp == "dpsgd",
+                            step_length=_proxy_step_length(config))
+
+
+def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
+    """``server-step`` on the server's proxy set, or None when it is off."""
+    if config.server_step == "none":
+        return None
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, *dataset_info(config.data_spec))
+    return ProxyStepLength(config.server_step_settings, model, load_proxy_set(config.data_spec),
+                           list(model.state_dict()))
 
 
 def run_server(grid: Grid, config: RunConfig) -> Path:
@@ -84,11 +96,15 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes)
     test_set = load_test_set(config.data_spec)
+    validation_set = load_server_validation_set(config.data_spec)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy = evaluate(model, test_set)
-        return MetricRecord({"loss": loss, "accuracy": accuracy})
+        metrics = {"loss": loss, "accuracy": accuracy}
+        if len(validation_set):
+            metrics["validation-loss"], metrics["validation-accuracy"] = evaluate(model, validation_set)
+        return MetricRecord(metrics)
 
     initial = ArrayRecord(model.state_dict())
     try:

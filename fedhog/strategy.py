@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from .privacy.mechanism import (
 from .privacy.randomness import MAX_STANDARD_NORMAL, PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
+
+if TYPE_CHECKING:
+    from .derivatives.step_size import StepSize
 
 NON_FINITE_TERM = "non-finite third-order term"
 CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
@@ -72,10 +75,13 @@ class RoundRecord:
     seconds: float = 0.0
     accuracy: float = math.nan
     loss: float = math.nan
+    validation_accuracy: float = math.nan  # on the server's validation set (server-validation-fraction > 0)
+    validation_loss: float = math.nan
     train_loss: float = math.nan
     mean_norm_before_clip: float = math.nan
     fraction_clipped: float = math.nan
     noise_std: float = 0.0
+    server_step_scale: float = math.nan  # server-step: the multiple of the server optimizer's step taken
     mean_mixing_ratio: float = math.nan
     third_order_seconds_max: float = math.nan
     third_order_failures: int = 0
@@ -126,6 +132,10 @@ class SecureAggregator(Strategy):
     equal_weights : bool
         Replies carry no record counts (DP-SGD clients): FedAvg (``none``)
         weighs every client equally. DP mechanisms never use the counts.
+    step_length : callable, optional
+        ``(θ, d) -> StepSize``: the multiple of the server optimizer's step d
+        to take (:class:`fedhog.server_step.ProxyStepLength`, on the server's
+        proxy data; post-processing).
     """
 
     def __init__(
@@ -140,6 +150,7 @@ class SecureAggregator(Strategy):
         adaptive_clipping: AdaptiveClipping | None = None,
         max_update_norm: float = math.inf,
         equal_weights: bool = False,
+        step_length: Callable[[torch.Tensor, torch.Tensor], StepSize] | None = None,
     ) -> None:
         self.mechanism = mechanism
         self.accountant = accountant
@@ -148,6 +159,7 @@ class SecureAggregator(Strategy):
         self.sampling = sampling
         self.sampling_rate = sampling_rate
         self.server_optimizer = ServerOptimizer(server_optimizer)
+        self.step_length = step_length
         self.max_epsilon = max_epsilon
         self.adaptive_clipping = adaptive_clipping
         self.max_update_norm = max_update_norm
@@ -309,6 +321,10 @@ class SecureAggregator(Strategy):
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
         self.accountant.compose_round()  # σ covers the update and, with adaptive clipping, the count
         new_flat = self.server_optimizer.step(flat_global, averaged, server_round)
+        if self.step_length is not None:  # post-processing: the release and the server's own proxy data
+            proposed = new_flat - flat_global
+            record.server_step_scale = self.step_length(flat_global, proposed).step
+            new_flat = flat_global + record.server_step_scale * proposed
         record.epsilon = self.accountant.epsilon()
         record.mean_norm_before_clip = stats.mean_norm_before_clip
         record.fraction_clipped = stats.fraction_clipped
@@ -476,6 +492,9 @@ class SecureAggregator(Strategy):
                 metrics = evaluate_fn(server_round, arrays)
                 result.evaluate_metrics_serverapp[server_round] = metrics
                 record.accuracy, record.loss = float(metrics["accuracy"]), float(metrics["loss"])
+                if "validation-accuracy" in metrics:
+                    record.validation_accuracy = float(metrics["validation-accuracy"])
+                    record.validation_loss = float(metrics["validation-loss"])
             record.seconds = time.perf_counter() - started
             log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
                 server_round, record.accuracy, record.epsilon, record.clients_sampled,

@@ -10,6 +10,8 @@ from fedhog.data import (
     dataset_info,
     load_client_data,
     load_mnist1d,
+    load_proxy_set,
+    load_server_validation_set,
     load_test_set,
     validate_spec,
 )
@@ -92,6 +94,26 @@ def test_partitions_disjoint_cover_pool_and_exclude_test_set(dataset, partitione
     assert len(set(client_rows)) == len(client_rows)  # disjoint
     assert not set(client_rows) & set(test_rows)
     assert set(client_rows) | set(test_rows) == set(rows(x))  # covering
+
+
+@pytest.mark.parametrize("dataset", ["mnist1d", "digits"])
+def test_server_held_sets_are_disjoint_from_clients_and_test_and_cover_the_rest(dataset):
+    spec = replace(SPEC, dataset=dataset, server_validation_fraction=0.1, proxy_fraction=0.05)
+    x, _ = load_mnist1d(spec.num_samples, spec.seed) if dataset == "mnist1d" else data.load_digits()
+    held = load_server_validation_set(spec), load_proxy_set(spec), load_test_set(spec)
+    assert [len(s) for s in held] == [int(f * len(x)) for f in (0.1, 0.05, spec.test_fraction)]
+    sets = [set(rows(s.x)) for s in held] + [{r for t, v in all_clients(spec) for r in rows(t.x) + rows(v.x)}]
+    assert sum(map(len, sets)) == len(set().union(*sets)) == len(x)  # pairwise disjoint, covering
+    plain = replace(spec, server_validation_fraction=0.0, proxy_fraction=0.0)
+    assert len(load_server_validation_set(plain)) == len(load_proxy_set(plain)) == 0
+    assert set(rows(load_test_set(plain).x)) == sets[2]  # holding sets apart leaves the test set as it was
+
+
+def test_server_held_sets_refused_for_synthetic_and_when_nothing_is_left():
+    with pytest.raises(ValueError, match="server_validation_fraction=0.1.*synthetic"):
+        validate_spec(replace(SPEC, dataset="synthetic", server_validation_fraction=0.1))
+    with pytest.raises(ValueError, match="server_validation_fraction=0.4.*proxy_fraction < 1 .they sum to 1.1"):
+        validate_spec(replace(SPEC, server_validation_fraction=0.4, proxy_fraction=0.5))
 
 
 def test_validation_split_per_client():

@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import RunConfig
-from fedhog.data import dataset_info, load_test_set
+from fedhog.data import dataset_info, load_server_validation_set, load_test_set
 from fedhog.models import build_model
 from fedhog.training import evaluate
 from fedhog.engine import run_in_process
@@ -52,6 +52,25 @@ def test_hog_run_learns_and_reports_epsilon(tmp_path):
     model = build_model(config.model, *dataset_info(config.data_spec))
     model.load_state_dict(torch.load(tmp_path / "run" / "final_model.pt"))
     assert evaluate(model, load_test_set(config.data_spec))[1] == pytest.approx(rounds[-1]["accuracy"])
+
+
+def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(tmp_path):
+    metrics = _run(tmp_path, rounds=2, **{"server-validation-fraction": 0.2})
+    config = RunConfig().with_overrides({**SMALL, "server-validation-fraction": 0.2})
+    model = build_model(config.model, *dataset_info(config.data_spec))
+    model.load_state_dict(torch.load(tmp_path / "run" / "final_model.pt"))
+    loss, accuracy = evaluate(model, load_server_validation_set(config.data_spec))
+    last = metrics["rounds"][-1]
+    assert (last["validation_loss"], last["validation_accuracy"]) == pytest.approx((loss, accuracy))
+    assert last["accuracy"] == pytest.approx(evaluate(model, load_test_set(config.data_spec))[1])
+    assert all(r["validation_accuracy"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])  # NaN -> null
+
+
+def test_server_step_scales_the_optimizer_step_within_its_bound(tmp_path):
+    rounds = _run(tmp_path, rounds=2, **{"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0})["rounds"]
+    assert all(0 <= r["server_step_scale"] <= 3.0 for r in rounds)
+    assert any(r["server_step_scale"] not in (0.0, 1.0, 3.0) for r in rounds)  # an interior minimiser was taken
+    assert all(r["server_step_scale"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])
 
 
 def test_fixed_privacy_seed_reproduces_the_run(tmp_path):
