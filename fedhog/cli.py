@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
-        from .sweep import sweep_command  # matplotlib and the sweep machinery only for sweeps
+        from .sweep.runner import sweep_command  # matplotlib and the sweep machinery only for sweeps
 
         return sweep_command(args.config, args.output, args.list_only, args.threads)
     if args.command == "export":

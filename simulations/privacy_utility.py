@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedhog.sweep import sweep_command
+from fedhog.sweep.runner import sweep_command
 
 DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "sweep_privacy_utility.toml"
 

@@ -77,3 +77,14 @@ def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_
     assert tagged(tag) == {}  # SuperLink, SuperExec, flwr-simulation, Ray: all stopped
     assert not (home / ".flwr").exists()  # fedhog's FLWR_HOME was private
     assert sorted(p.name for p in elsewhere.iterdir()) == ["results"]
+
+
+def test_the_installed_package_carries_its_subpackages(installed, tmp_path):
+    """`fedhog sweep --list` from the wheel's venv imports every part of fedhog.sweep (a subpackage)."""
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('output = "out"\n[base]\ndataset = "digits"\n[grid]\nseed = [0, 1]\n')
+    done = subprocess.run([str(installed / "bin" / "fedhog"), "sweep", str(sweep), "--list"], cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (done.stdout + done.stderr).split() == ["to", "run", "seed=0", "to", "run", "seed=1"]

@@ -6,14 +6,18 @@ import csv
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from fedhog.sweep import (SweepError, cell_id_of, load_sweep, paired_comparisons, privacy_seed_for, run_sweep,
-                          summary_markdown, sweep_command)
+from fedhog.sweep.report import summary_markdown
+from fedhog.sweep.runner import run_sweep, sweep_command
+from fedhog.sweep.spec import SweepError, cell_id_of, load_sweep, privacy_seed_for
+from fedhog.sweep.stats import paired_comparisons
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "sweep_smoke.toml"
@@ -295,3 +299,25 @@ def test_sweep_errors_print_their_brackets_and_near_misses(tmp_path, capsys):
     assert "(run-config keys go under [base], [grid] or [[variants]])" in error
     assert "unknown key 'grids'; did you mean 'grid'?" in error
     assert len([line for line in error.splitlines() if line.strip()]) == 1
+
+
+
+def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of the modules a fresh interpreter has loaded after the import statement."""
+    probe = f"import sys; {statement}; print(','.join(m for m in {modules!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return [name for name in done.stdout.strip().split(",") if name]
+
+
+def test_the_parts_import_downwards_and_the_package_keeps_its_names():
+    """spec and stats load no runner, report or plots; stats not even torch, Flower or the run config."""
+    upper = ("fedhog.sweep.runner", "fedhog.sweep.report", "fedhog.sweep.plots")
+    assert _loaded_after("import fedhog.sweep.spec, fedhog.sweep.stats", upper) == []
+    assert _loaded_after("import fedhog.sweep.stats", ("torch", "flwr", "matplotlib", "fedhog.config")) == []
+    import fedhog.sweep
+
+    for name in fedhog.sweep.__all__:
+        assert getattr(fedhog.sweep, name).__module__.startswith("fedhog.sweep."), name
+    assert fedhog.sweep.run_sweep is run_sweep and fedhog.sweep.SweepError is SweepError
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        fedhog.sweep.nothing  # noqa: B018

@@ -182,7 +182,7 @@ def test_cuda_and_cpu_agree(tmp_path):
 
 
 def test_sweeps_use_the_vectorized_engine_unless_told_otherwise(tmp_path):
-    from fedhog.sweep import SweepError, load_sweep
+    from fedhog.sweep.spec import SweepError, load_sweep
 
     path = tmp_path / "sweep.toml"
     body = 'output = "out"\n[base]\ndataset = "digits"\npopulation = 10\nsampling-rate = 0.5\n[grid]\nseed = [0]\n'

@@ -1,0 +1,61 @@
+"""The Markdown summary of a sweep: final accuracy per variant and condition, and the paired comparisons."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..progress import format_value
+from .spec import Sweep, format_grid_value
+from .stats import PairedComparison, final_rows, group_rows, mean_std
+
+
+def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison]) -> str:
+    """The Markdown summary: final accuracy per (variant, condition) and the paired comparisons."""
+    finals = final_rows(rows)
+    keys = sweep.condition_keys
+    lines = [f"# Sweep `{sweep.path.name}`", "",
+             f"{len(finals)} of {len(sweep.cells)} cells finished. Final accuracy is the test accuracy after "
+             f"the last round, mean ± sample std over {', '.join(sweep.replicate_keys)} (n finished cells); "
+             "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means).", "",
+             *_header(["variant", *keys, "n", "final accuracy", "ε", "σ"])]
+    for (variant, *values), group in group_rows(finals, ["variant", *keys]).items():
+        mean, std = mean_std([r["accuracy"] for r in group])
+        epsilon = float(np.mean([r["epsilon"] for r in group]))
+        sigma = float(np.mean([r["sigma"] for r in group]))
+        cells = [variant, *(format_grid_value(v) for v in values), str(len(group)), f"{_num(mean)} ± {_num(std)}",
+                 format_value(epsilon), _num(sigma if math.isfinite(epsilon) else math.nan)]
+        lines.append(_row(cells))
+    if comparisons:
+        lines += ["", "## Paired comparisons", "",
+                  f"Difference = final accuracy of B − A, paired on {', '.join(sweep.replicate_keys)}: paired "
+                  "cells share the data, partition, initial model and client shuffling, and with a fixed "
+                  "privacy-seed the cohorts and noise draws. Two-sided "
+                  "paired t-test and Wilcoxon signed-rank test (`scipy.stats.ttest_rel`, `scipy.stats.wilcoxon`), "
+                  "as measured, not corrected for multiple comparisons; with n pairs the exact two-sided "
+                  "Wilcoxon p is at least 2/2ⁿ (0.25 for n = 3). – marks a statistic that is undefined: "
+                  "fewer than 2 pairs, for the t-test every difference equal (zero variance), for Wilcoxon "
+                  "every difference zero.", "",
+                  *_header(["A", "B", *keys, "n", "B − A (mean ± std)", "t", "p (t-test)", "W", "p (Wilcoxon)"])]
+        for c in comparisons:
+            cells = [c.baseline, c.variant, *(format_grid_value(v) for _, v in c.condition), str(len(c.differences)),
+                     f"{_num(c.mean, '+.4f')} ± {_num(c.std)}", _num(c.t_statistic, ".3f"), _num(c.t_pvalue, ".3g"),
+                     _num(c.wilcoxon_statistic, "g"), _num(c.wilcoxon_pvalue, ".3g")]
+            lines.append(_row(cells))
+    lines += ["", "![accuracy vs round](accuracy_vs_round.png)", "", "![final accuracy vs ε](accuracy_vs_epsilon.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(names: Sequence[str]) -> list[str]:
+    return [_row(names), "|" + "---|" * len(names)]
+
+
+def _num(value: float, spec: str = ".4f") -> str:
+    return "–" if math.isnan(value) else format(value, spec)

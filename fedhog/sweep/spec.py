@@ -1,0 +1,274 @@
+"""The sweep file: reading and validating it, and expanding its grid into cells (the run config, no runner)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
+
+SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants")
+SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
+RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
+REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
+PRIVACY_KEYS = ("target-epsilon", "noise-multiplier")  # grid keys that set ε (the x axis of the ε plot)
+PRIVACY_SEED_TAG = 0xF3D405  # separates the privacy seeds from the data seeds
+CONFIG_KEYS = tuple(f.name.replace("_", "-") for f in fields(RunConfig))
+
+
+class SweepError(ConfigError):
+    """A sweep file, or a sweep folder, that fedhog cannot run."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One federated run of a sweep.
+
+    Attributes
+    ----------
+    cell_id : str
+        Stable id from the variant name and the grid values; the run's folder name.
+    variant : str
+        The variant's name, or the cell's mechanism when the sweep has no variants.
+    overrides : dict
+        The grid values and the variant's keys, as the sweep file gives them.
+    config : RunConfig
+        The resolved run config; ``results-dir`` is the cell's folder.
+    """
+
+    cell_id: str
+    variant: str
+    overrides: dict[str, Any]
+    config: RunConfig
+
+    @property
+    def directory(self) -> Path:
+        """The cell's results folder."""
+        return Path(self.config.results_dir)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A validated sweep file and its cells."""
+
+    path: Path
+    output: Path
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    variants: tuple[dict[str, Any], ...]
+    paired: tuple[tuple[str, str], ...]
+    cells: tuple[Cell, ...]
+    engine: str = "vectorized"
+
+    @property
+    def replicate_keys(self) -> list[str]:
+        """Grid keys that pair cells (``seed``, ``privacy-seed``)."""
+        return [key for key in self.grid if key in REPLICATE_KEYS] or ["seed"]
+
+    @property
+    def condition_keys(self) -> list[str]:
+        """Grid keys that define a condition: all but the replicate keys (and ``mechanism`` without variants)."""
+        return [key for key in self.grid
+                if key not in REPLICATE_KEYS and (self.variants or key != "mechanism")]
+
+    @property
+    def fixed_keys(self) -> dict[str, list[str]]:
+        """Variant name → the grid's condition keys that the variant sets itself."""
+        return {v["name"]: [k for k in v if k in self.grid] for v in self.variants if any(k in self.grid for k in v)}
+
+    def broadcast(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows, with those of a variant that sets grid keys repeated for every grid value of those keys.
+
+        A no-DP ceiling run once then appears in every ε condition, for pairing and plotting.
+        """
+        out: list[dict[str, Any]] = []
+        fixed = self.fixed_keys
+        for row in rows:
+            keys = fixed.get(row["variant"], [])
+            for values in itertools.product(*(self.grid[k] for k in keys)):
+                cell_id = "__".join([row["cell_id"], *key_values(keys, values)])
+                out.append({**row, **dict(zip(keys, values)), "cell_id": cell_id})
+        return out
+
+    @property
+    def column_keys(self) -> list[str]:
+        """Config keys that get a column in ``results.csv``: mechanism, grid, variant keys, seed."""
+        keys = ["mechanism", *self.grid, *(k for v in self.variants for k in v if k != "name"), "seed"]
+        return list(dict.fromkeys(keys))
+
+
+def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
+    """Read and validate a sweep file and resolve every cell's config.
+
+    Parameters
+    ----------
+    path : str or Path
+        The sweep TOML.
+    output : str or Path, optional
+        Replaces the file's ``output``.
+
+    Raises
+    ------
+    SweepError
+        Naming the key (and the cell) that is wrong.
+    """
+    path = Path(path)
+    document = read_toml(path, "sweep file", SweepError)
+    for key in document:
+        if key not in SWEEP_KEYS:
+            raise SweepError(f"sweep file {path}: {unknown_key_message(key, SWEEP_KEYS, 'key')} "
+                             "(run-config keys go under [base], [grid] or [[variants]])")
+    engine = document.get("engine", "vectorized")
+    if engine not in SWEEP_ENGINES:
+        raise SweepError(f"sweep file {path}: engine={engine!r} is not allowed; expected one of "
+                         f"{', '.join(SWEEP_ENGINES)}")
+    output = document.get("output") if output is None else str(output)
+    if not isinstance(output, str) or not output:
+        raise SweepError(f"sweep file {path}: output={output!r} must be a folder name (a non-empty string)")
+    base = _table(document, "base")
+    grid = _table(document, "grid")
+    _check_config_keys("[base]", base)
+    _check_config_keys("[grid]", grid)
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"grid key '{key}' must be a non-empty list of values, got {values!r}")
+        if len({json.dumps(v) for v in values}) != len(values):
+            raise SweepError(f"grid key '{key}' repeats a value: {values!r}")
+        if key in base:
+            raise SweepError(f"key '{key}' is in both [base] and [grid]; keep it in one")
+    variants = _variants(document.get("variants", []), grid)
+    directory = Path(output).resolve()
+    cells = tuple(expand_cells(base, grid, variants, directory))
+    labels = list(dict.fromkeys(cell.variant for cell in cells))
+    paired = _paired(document.get("paired", []), labels)
+    return Sweep(path, directory, base, grid, variants, paired, cells, engine)
+
+
+def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
+                 output: Path) -> list[Cell]:
+    """Every variant × every combination of grid values, with validated configs.
+
+    Cells with the same ``seed`` get the same fixed ``privacy-seed``
+    (:func:`privacy_seed_for`) unless the sweep sets one.
+    """
+    cells: list[Cell] = []
+    seen: dict[str, Cell] = {}
+    for variant in variants or [None]:
+        keys = {k: v for k, v in (variant or {}).items() if k != "name"}
+        variant_grid = {k: v for k, v in grid.items() if k not in keys}
+        for values in itertools.product(*variant_grid.values()):
+            grid_values = dict(zip(variant_grid, values))
+            mapping = {**base, **keys, **grid_values}
+            name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
+            cell_id = cell_id_of(variant["name"] if variant else None, grid_values)
+            if cell_id in seen:
+                raise SweepError(f"cells {seen[cell_id].overrides} and {grid_values} (variant '{name}') "
+                                 f"have the same id '{cell_id}'; rename a variant")
+            seed = mapping.get("seed", RunConfig.seed)
+            if "privacy-seed" not in mapping and isinstance(seed, int) and not isinstance(seed, bool):
+                if seed < 0:
+                    raise SweepError(f"cell '{cell_id}': seed={seed!r} is not allowed; expected an integer ≥ 0")
+                mapping["privacy-seed"] = privacy_seed_for(seed)
+            mapping["results-dir"] = str(output / "runs" / cell_id)
+            try:
+                config = load_config(None, mapping)
+            except ConfigError as error:
+                raise SweepError(f"cell '{cell_id}': {error}") from None
+            cell = Cell(cell_id, name, {**grid_values, **keys}, config)
+            seen[cell_id] = cell
+            cells.append(cell)
+    return cells
+
+
+def privacy_seed_for(seed: int) -> int:
+    """The fixed privacy seed of every sweep cell with data seed ``seed`` (experiments only)."""
+    return int(np.random.SeedSequence([PRIVACY_SEED_TAG, seed]).generate_state(1)[0])
+
+
+def cell_id_of(variant: str | None, grid_values: dict[str, Any]) -> str:
+    """``<variant>__<key>=<value>__...`` in file-name-safe ASCII (``γ`` becomes ``gamma``)."""
+    parts = ([_slug(variant)] if variant is not None else []) + [
+        f"{key}={_slug(format_grid_value(value))}" for key, value in grid_values.items()]
+    return "__".join(parts) or "base"
+
+
+def _table(document: dict[str, Any], key: str) -> dict[str, Any]:
+    table = document.get(key, {})
+    if not isinstance(table, dict):
+        raise SweepError(f"'{key}' must be a table ([{key}]), got {table!r}")
+    return table
+
+
+def _check_config_keys(where: str, table: dict[str, Any]) -> None:
+    for key in table:
+        if key not in CONFIG_KEYS:
+            raise SweepError(f"{where}: {unknown_key_message(key, CONFIG_KEYS, 'run-config key')}")
+        if key in RESERVED_KEYS:
+            raise SweepError(f"{where}: '{key}' is set by the sweep for every cell (output/runs/<cell-id>)")
+
+
+def _variants(raw: Any, grid: dict[str, list[Any]]) -> tuple[dict[str, Any], ...]:
+    if not isinstance(raw, list) or not all(isinstance(v, dict) for v in raw):
+        raise SweepError(f"'variants' must be an array of tables ([[variants]]), got {raw!r}")
+    names: set[str] = set()
+    for index, variant in enumerate(raw, 1):
+        name = variant.get("name")
+        if not isinstance(name, str) or not name:
+            raise SweepError(f"variant #{index} ({variant}) needs a 'name' (a non-empty string)")
+        if name in names:
+            raise SweepError(f"variant name '{name}' is used twice")
+        names.add(name)
+        keys = {k: v for k, v in variant.items() if k != "name"}
+        _check_config_keys(f"variant '{name}'", keys)
+        for key in keys:
+            if key in grid and key in REPLICATE_KEYS:
+                raise SweepError(f"variant '{name}' sets '{key}', a [grid] key that pairs cells; "
+                                 "a variant may set only the grid's condition keys")
+    return tuple(raw)
+
+
+def _paired(raw: Any, labels: list[str]) -> tuple[tuple[str, str], ...]:
+    if not isinstance(raw, list):
+        raise SweepError(f"paired={raw!r} must be a list of [A, B] pairs of variant names")
+    pairs = []
+    for pair in raw:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
+            raise SweepError(f"paired entry {pair!r} must be a pair [A, B] of variant names")
+        for name in pair:
+            if name not in labels:
+                raise SweepError(f"paired entry {pair!r}: no variant '{name}'; variants: {', '.join(labels)}")
+        if pair[0] == pair[1]:
+            raise SweepError(f"paired entry {pair!r} compares a variant with itself")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
+
+
+def format_grid_value(value: Any) -> str:
+    """A grid value as cell ids and labels show it (``true``, ``3.0``, ``hog``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def key_values(keys: Sequence[str], values: Sequence[Any]) -> list[str]:
+    """``key=value`` for each grid key and its value (``target-epsilon=3.0``)."""
+    return [f"{key}={format_grid_value(value)}" for key, value in zip(keys, values)]
+
+
+def _slug(text: str) -> str:
+    out = []
+    for char in text:
+        if char.isascii() and (char.isalnum() or char in "._-+="):
+            out.append(char)
+        elif not char.isascii() and char.isalpha():
+            out.append(unicodedata.name(char, "-").split()[-1].lower())
+        else:
+            out.append("-")
+    return "".join(out)

@@ -1,0 +1,111 @@
+"""Statistics of a sweep's rows: final rounds, groups, mean ± std and paired comparisons (numpy, scipy)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+DIFFERENCE_DECIMALS = 12  # paired differences of accuracies are rounded to this many decimals before testing
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """Final accuracy of variant B minus variant A, paired on the replicate keys, in one condition."""
+
+    baseline: str
+    variant: str
+    condition: tuple[tuple[str, Any], ...]
+    replicates: tuple[tuple[Any, ...], ...]
+    differences: tuple[float, ...]
+    t_statistic: float
+    t_pvalue: float
+    wilcoxon_statistic: float
+    wilcoxon_pvalue: float
+
+    @property
+    def mean(self) -> float:
+        """Mean difference B − A."""
+        return float(np.mean(self.differences)) if self.differences else math.nan
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation of the differences (NaN below two pairs)."""
+        return float(np.std(self.differences, ddof=1)) if len(self.differences) > 1 else math.nan
+
+
+def final_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last round's row of every cell."""
+    last: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["cell_id"] not in last or row["round"] > last[row["cell_id"]]["round"]:
+            last[row["cell_id"]] = row
+    return list(last.values())
+
+
+def group_rows(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """The rows by their values of ``keys``, in first-seen order."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    return groups
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std of the values but NaNs; NaN where undefined (std below two values)."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+
+
+def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]],
+                       condition_keys: Sequence[str], replicate_keys: Sequence[str]) -> list[PairedComparison]:
+    """Final accuracy of B − A per condition, paired on the replicate keys; paired t-test and Wilcoxon.
+
+    Both tests are two-sided (``scipy.stats.ttest_rel``, ``scipy.stats.wilcoxon``) on the
+    differences rounded to :data:`DIFFERENCE_DECIMALS` decimals, so that differences equal
+    but for float rounding are equal. A statistic that is undefined is NaN: both with
+    fewer than two pairs, the t-test when every difference is the same (zero variance),
+    the Wilcoxon test when every difference is zero.
+    """
+    finals = final_rows(rows)
+    conditions = list(dict.fromkeys(tuple((k, row[k]) for k in condition_keys) for row in finals))
+    comparisons = []
+    for baseline, variant in pairs:
+        for condition in conditions:
+            a, b = (_accuracy_by_replicate(finals, name, condition, replicate_keys) for name in (baseline, variant))
+            replicates = tuple(sorted(set(a) & set(b)))
+            first, second = np.array([a[r] for r in replicates]), np.array([b[r] for r in replicates])
+            differences = np.round(second - first, DIFFERENCE_DECIMALS) + 0.0  # + 0.0: no -0.0
+            comparisons.append(PairedComparison(baseline, variant, condition, replicates,
+                                                tuple(differences.tolist()), *_paired_tests(differences)))
+    return comparisons
+
+
+def _accuracy_by_replicate(finals: Sequence[dict[str, Any]], variant: str, condition: tuple[tuple[str, Any], ...],
+                           replicate_keys: Sequence[str]) -> dict[tuple[Any, ...], float]:
+    return {tuple(row[k] for k in replicate_keys): row["accuracy"] for row in finals
+            if row["variant"] == variant and all(row[k] == v for k, v in condition)}
+
+
+def _paired_tests(differences: np.ndarray) -> tuple[float, float, float, float]:
+    """t, p (paired t-test), W, p (Wilcoxon) of B − A; NaN where undefined (see :func:`paired_comparisons`)."""
+    nan = (math.nan, math.nan)
+    if len(differences) < 2:
+        return nan + nan
+    t_result = w_result = nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy warns about ties and small samples; the values are as computed
+        if np.ptp(differences) > 0:  # zero variance: t = ±∞ or 0/0, whatever the float noise said
+            t_test = stats.ttest_1samp(differences, 0.0)  # = ttest_rel(B, A)
+            t_result = (float(t_test.statistic), float(t_test.pvalue))
+        if np.any(differences != 0):
+            wilcoxon = stats.wilcoxon(differences)
+            w_result = (float(wilcoxon.statistic), float(wilcoxon.pvalue))
+    return *t_result, *w_result
