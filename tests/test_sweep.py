@@ -321,3 +321,91 @@ def test_the_parts_import_downwards_and_the_package_keeps_its_names():
     assert fedhog.sweep.run_sweep is run_sweep and fedhog.sweep.SweepError is SweepError
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         fedhog.sweep.nothing  # noqa: B018
+
+
+TUNED = """
+output = "out"
+paired = [["gaussian", "hog"]]
+[base]
+dataset = "digits"
+model = "logreg"
+partitioner = "iid"
+population = 10
+sampling-rate = 0.5
+rounds = 2
+clipping-norm = 2.0
+server-validation-fraction = 0.2
+[grid]
+target-epsilon = [3.0, 8.0]
+seed = [0]
+[[variants]]
+name = "gaussian"
+mechanism = "gaussian"
+[[variants]]
+name = "hog"
+mechanism = "hog"
+[[variants]]
+name = "no-dp"
+mechanism = "none"
+target-epsilon = 0.0
+learning-rate = 0.1
+[tune]
+seeds = [7]
+last-rounds = 2
+[tune.grid]
+learning-rate = [0.001, 0.3]
+[tune.variants.hog]
+mixing-strength = [0.25, 1.0]
+"""
+
+
+def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_path):
+    sweep = load_sweep(_write(tmp_path, TUNED))
+    counts = {}
+    for trial in sweep.trials:
+        counts[trial.cell.variant] = counts.get(trial.cell.variant, 0) + 1
+        assert trial.cell.config.seed == 7 and trial.cell.directory.parent == sweep.output / "tuning"
+    # gaussian: 2 ε × 2 learning rates; hog: 2 ε × 2 × 2 γ; no-dp sets its learning rate: 1 setting, no ε condition
+    assert counts == {"gaussian": 4, "hog": 8, "no-dp": 1}
+    assert {t.setting for t in sweep.trials if t.cell.variant == "hog"} == {
+        (("learning-rate", lr), ("mixing-strength", g)) for lr in (0.001, 0.3) for g in (0.25, 1.0)}
+
+
+def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+    sweep = load_sweep(_write(tmp_path, TUNED))
+    outcome = run_sweep(sweep, show_progress=False)
+    assert not outcome.failed
+    tuned = load_sweep(sweep.path)
+    from fedhog.sweep.runner import apply_tuning
+
+    tuned = apply_tuning(tuned)
+    for (variant, condition), chosen in tuned.choices.items():
+        scores = {}
+        for trial in tuned.trials:
+            if (trial.cell.variant, trial.condition) == (variant, condition):
+                rounds = json.loads((trial.cell.directory / "metrics.json").read_text())["rounds"]
+                scores[trial.setting] = np.mean([r["validation_accuracy"] for r in rounds[-2:]])
+        assert scores[tuple(chosen.items())] == max(scores.values())  # the best validation score, not test
+        for cell in tuned.cells:
+            if cell.variant == variant and all(cell.overrides.get(k) == v for k, v in condition):
+                assert all(cell.config.to_mapping()[k] == v for k, v in chosen.items())
+    assert {c.variant for c in tuned.cells} == {"gaussian", "hog", "no-dp"}
+    assert "## Tuned values" in (sweep.output / "summary.md").read_text()
+    assert "✔" in (sweep.output / "tuning.md").read_text()
+
+
+@pytest.mark.parametrize("change, match", [
+    ("server-validation-fraction = 0.2\n", "server-validation-fraction > 0"),
+    ("seeds = [7]", "share \\[0\\] with the sweep's seeds"),
+    ("[tune.variants.hog]", "no variant 'hogg'"),
+    ("[tune.grid]\nlearning-rate = [0.001, 0.3]", "tunes nothing"),
+])
+def test_bad_tuning_tables_name_the_key(tmp_path, change, match):
+    replacement = {"seeds = [7]": "seeds = [0]", "[tune.variants.hog]": "[tune.variants.hogg]",
+                   "[tune.grid]\nlearning-rate = [0.001, 0.3]": "[tune.grid]"}.get(change, "")
+    text = TUNED.replace(change, replacement)
+    if match == "tunes nothing":
+        text = text.replace("[tune.variants.hog]\nmixing-strength = [0.25, 1.0]\n", "")
+    with pytest.raises(SweepError, match=match):
+        load_sweep(_write(tmp_path, text))

@@ -17,6 +17,11 @@ A sweep file is TOML::
     name = "gaussian"
     mechanism = "gaussian"
 
+    [tune]                                        # optional: choose keys per variant and condition first
+    seeds = [100]                                 # on these data seeds (not the grid's),
+    [tune.grid]                                   # by the server's validation accuracy (never the test set)
+    clipping-norm = [0.3, 1.0]
+
 A cell is one combination of the grid values with one variant (the grid alone
 when there are no variants). A variant may set a condition key of the grid
 (``target-epsilon = 0.0`` for a no-DP ceiling): it then runs once per value of
@@ -24,6 +29,12 @@ the other grid keys, and the paired tests and the plots compare it with every
 condition (a reference line); its id (``hog-gamma0.5__target-epsilon=1.0__seed=0``)
 comes from the variant's name and the grid values, and its run goes to
 ``output/runs/<cell-id>/``. Without variants a cell's variant is its mechanism.
+
+**Tuning.** With ``[tune]`` the sweep first runs every setting of the tuned
+keys for every (variant, condition) on the tuning seeds (``output/tuning/``),
+chooses per (variant, condition) the one with the best mean
+``validation_accuracy`` over the last rounds (:func:`.runner.apply_tuning`),
+and runs the cells with it.
 
 **Pairing.** Cells with the same ``seed`` share the data, the partition, the
 model initialisation and the clients' shuffling and directions. Unless the
@@ -60,7 +71,7 @@ _EXPORTS = {
     "load_sweep": "spec", "privacy_seed_for": "spec",
     "PairedComparison": "stats", "paired_comparisons": "stats",
     "summary_markdown": "report",
-    "SweepOutcome": "runner", "run_sweep": "runner", "sweep_command": "runner",
+    "SweepOutcome": "runner", "apply_tuning": "runner", "run_sweep": "runner", "sweep_command": "runner",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..progress import format_value
 from .spec import Sweep, format_grid_value
-from .stats import PairedComparison, final_rows, group_rows, mean_std
+from .stats import PairedComparison, TrialScore, final_rows, group_rows, mean_std, setting_scores
 
 
 def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison]) -> str:
@@ -45,7 +45,42 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
                      f"{_num(c.mean, '+.4f')} ± {_num(c.std)}", _num(c.t_statistic, ".3f"), _num(c.t_pvalue, ".3g"),
                      _num(c.wilcoxon_statistic, "g"), _num(c.wilcoxon_pvalue, ".3g")]
             lines.append(_row(cells))
+    if sweep.choices is not None:
+        lines += ["", "## Tuned values", "", _tuning_sentence(sweep) + " Every setting's score: `tuning.md`.", "",
+                  *_header(["variant", *keys, "chosen"])]
+        for (variant, condition), chosen in sweep.choices.items():
+            values = dict(condition)
+            lines.append(_row([variant, *(format_grid_value(values[k]) if k in values else "–" for k in keys),
+                               ", ".join(f"{k} = {format_grid_value(v)}" for k, v in chosen.items())]))
     lines += ["", "![accuracy vs round](accuracy_vs_round.png)", "", "![final accuracy vs ε](accuracy_vs_epsilon.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _tuning_sentence(sweep: Sweep) -> str:
+    tuning = sweep.tuning
+    assert tuning is not None
+    grids = [_choices_of(tuning.grid)] if tuning.grid else []
+    own = [f"{name}: {_choices_of(table)}" for name, table in tuning.per_variant.items()]
+    return (f"Chosen per variant and condition on the server's validation set (never the test set): the highest mean "
+            f"validation accuracy over the last {tuning.last_rounds} rounds, averaged over the tuning seeds "
+            f"{', '.join(map(str, tuning.seeds))} (not the seeds reported above). Grid: {'; '.join(grids) or '–'}"
+            + (f"; per variant: {'; '.join(own)}" if own else "") + ".")
+
+
+def _choices_of(grid: dict[str, list[Any]]) -> str:
+    """``key ∈ {a, b}, key2 ∈ {c}``."""
+    return ", ".join(f"{key} ∈ {{{', '.join(format_grid_value(v) for v in values)}}}" for key, values in grid.items())
+
+
+def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tuple[str, tuple], dict[str, Any]]) -> str:
+    """``tuning.md``: every tuned setting's validation score per (variant, condition), the chosen one marked."""
+    lines = [f"# Tuning of sweep `{sweep.path.name}`", "", _tuning_sentence(sweep), "",
+             *_header(["variant", "condition", "setting", "seeds", "validation accuracy", "chosen"])]
+    for (variant, condition, setting), (score, n) in setting_scores(scores).items():
+        chosen = choices.get((variant, condition)) == dict(setting)
+        lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
+                           ", ".join(f"{k} = {format_grid_value(v)}" for k, v in setting), str(n), _num(score),
+                           "✔" if chosen else ""]))
     return "\n".join(lines) + "\n"
 
 

@@ -22,9 +22,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..config import ConfigError, RunConfig
 from ..progress import console, read_metrics_file
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
-from .report import summary_markdown
+from .report import summary_markdown, tuning_markdown
 from .spec import Cell, Sweep, SweepError, load_sweep
-from .stats import PairedComparison, paired_comparisons
+from .stats import PairedComparison, TrialScore, best_settings, paired_comparisons, validation_score
 
 
 @dataclass(frozen=True)
@@ -86,28 +86,72 @@ def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> Swe
     """
     if threads < 1:
         raise SweepError(f"threads={threads!r} is not allowed; expected an integer ≥ 1")
-    finished = {cell.cell_id for cell in sweep.cells if is_finished(cell)}
-    pending = [cell for cell in sweep.cells if cell.cell_id not in finished]
+    ran: list[str] = []
+    skipped: list[str] = []
     failed: dict[str, str] = {}
-    if pending:
-        console.print(f"sweep {escape(sweep.path.name)}: {len(pending)} of {len(sweep.cells)} cells to run "
-                      f"on the {sweep.engine} engine → [bold]{escape(str(sweep.output))}[/]")
-        if any(cell.config.privacy_seed >= 0 for cell in pending):
-            console.print("[yellow]privacy-seed is fixed per seed so that paired cells draw the same cohorts "
-                          "and seed their noise alike: the noise is predictable — for experiments only[/]")
-        display = _SweepProgress(len(sweep.cells), len(finished), pending, show_progress)
-        with _quiet_flower(), _torch_threads(threads), display as progress:
-            for cell in pending:
-                progress.start(cell)
-                try:
-                    _run_cell(cell, sweep.engine)
-                except Exception as error:  # pylint: disable=broad-except  # one cell's fault; the sweep goes on
-                    failed[cell.cell_id] = f"{type(error).__name__}: {error}"
-                    console.print(f"[red]cell {escape(cell.cell_id)} failed:[/] {escape(failed[cell.cell_id])}")
-                progress.finish(cell)
+    if sweep.tuning is not None:
+        _run_cells(sweep, [trial.cell for trial in sweep.trials], "tuning runs", show_progress, threads,
+                   ran, skipped, failed)
+        sweep = apply_tuning(sweep)
+    _run_cells(sweep, list(sweep.cells), "cells", show_progress, threads, ran, skipped, failed)
     comparisons = write_reports(sweep)
-    return SweepOutcome(tuple(c.cell_id for c in pending if c.cell_id not in failed),
-                        tuple(sorted(finished)), failed, tuple(comparisons))
+    return SweepOutcome(tuple(ran), tuple(sorted(skipped)), failed, tuple(comparisons))
+
+
+def _run_cells(sweep: Sweep, cells: list[Cell], what: str, show_progress: bool, threads: int,
+               ran: list[str], skipped: list[str], failed: dict[str, str]) -> None:
+    """Run the unfinished ``cells``, noting each in ``ran``, ``skipped`` or ``failed``."""
+    finished = {cell.cell_id for cell in cells if is_finished(cell)}
+    skipped.extend(finished)
+    pending = [cell for cell in cells if cell.cell_id not in finished]
+    if not pending:
+        return
+    console.print(f"sweep {escape(sweep.path.name)}: {len(pending)} of {len(cells)} {what} to run "
+                  f"on the {sweep.engine} engine → [bold]{escape(str(sweep.output))}[/]")
+    if any(cell.config.privacy_seed >= 0 for cell in pending):
+        console.print("[yellow]privacy-seed is fixed per seed so that paired cells draw the same cohorts "
+                      "and seed their noise alike: the noise is predictable — for experiments only[/]")
+    display = _SweepProgress(len(cells), len(finished), pending, show_progress)
+    with _quiet_flower(), _torch_threads(threads), display as progress:
+        for cell in pending:
+            progress.start(cell)
+            try:
+                _run_cell(cell, sweep.engine)
+                ran.append(cell.cell_id)
+            except Exception as error:  # pylint: disable=broad-except  # one cell's fault; the sweep goes on
+                failed[cell.cell_id] = f"{type(error).__name__}: {error}"
+                console.print(f"[red]{escape(cell.cell_id)} failed:[/] {escape(failed[cell.cell_id])}")
+            progress.finish(cell)
+
+
+def apply_tuning(sweep: Sweep) -> Sweep:
+    """The sweep whose cells take, per (variant, condition), the tuned setting with the best validation score.
+
+    Writes ``tuning.md`` and ``tuning.csv`` (every setting's score) in the sweep's folder.
+
+    Raises
+    ------
+    SweepError
+        When a (variant, condition) has no finished tuning run to choose from.
+    """
+    assert sweep.tuning is not None
+    scores: list[TrialScore] = []
+    for trial in sweep.trials:
+        document = _finished_metrics(trial.cell)
+        if document is not None:
+            scores.append(TrialScore(trial.cell.variant, trial.condition, trial.setting,
+                                     validation_score(document["rounds"], sweep.tuning.last_rounds)))
+    expected = {(t.cell.variant, t.condition) for t in sweep.trials}
+    choices = best_settings(scores)
+    missing = sorted(expected - set(choices), key=str)
+    if missing:
+        raise SweepError("tuning has no finished run for " + "; ".join(
+            f"variant '{v}' {dict(c) or ''}" for v, c in missing) + ": run the sweep again to retry them")
+    sweep.output.mkdir(parents=True, exist_ok=True)
+    (sweep.output / "tuning.md").write_text(tuning_markdown(sweep, scores, choices))
+    write_csv([{"variant": s.variant, **dict(s.condition), **dict(s.setting), "seed_score": s.score}
+               for s in scores], sweep.output / "tuning.csv")
+    return sweep.tuned(choices)
 
 
 def _run_cell(cell: Cell, engine: str) -> None:
@@ -273,7 +317,13 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
     try:
         sweep = load_sweep(path, output)
         if list_only:
-            for cell in sweep.cells:
+            for trial in sweep.trials:
+                console.print(f"{'finished' if is_finished(trial.cell) else 'to run  '}  tuning/"
+                              f"{escape(trial.cell.cell_id)}")
+            if sweep.tuning is not None and not all(is_finished(trial.cell) for trial in sweep.trials):
+                console.print(f"then {len(sweep.cells)} cells with the tuned values")
+                return 0
+            for cell in (apply_tuning(sweep) if sweep.tuning is not None else sweep).cells:
                 console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {escape(cell.cell_id)}")
             return 0
         outcome = run_sweep(sweep, threads=threads)

@@ -6,7 +6,7 @@ import itertools
 import json
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,8 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 
-SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants")
+SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune")
+TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds")
 SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
 RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
 REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
@@ -55,6 +56,43 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """The ``[tune]`` table: hyperparameters chosen per variant and condition on the server's validation set.
+
+    Attributes
+    ----------
+    grid : dict
+        Run-config key → values tried for every variant (all combinations).
+    per_variant : dict
+        Variant name → more keys and values tried for that variant only (its own γ).
+    seeds : tuple of int
+        The tuning runs' data seeds (disjoint from the grid's seeds).
+    last_rounds : int
+        A trial's score is its mean ``validation_accuracy`` over its last rounds, averaged over the seeds.
+    """
+
+    grid: dict[str, list[Any]]
+    per_variant: dict[str, dict[str, list[Any]]]
+    seeds: tuple[int, ...]
+    last_rounds: int = 5
+
+    def grid_for(self, variant: dict[str, Any] | None) -> dict[str, list[Any]]:
+        """The keys tuned for a variant: the shared grid and its own, less the keys it sets itself."""
+        name = variant["name"] if variant else None
+        keys = {**self.grid, **self.per_variant.get(name, {})}  # type: ignore[arg-type]
+        return {k: v for k, v in keys.items() if variant is None or k not in variant}
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One tuning run: a cell of a (variant, condition) with one combination of tuned values and one seed."""
+
+    cell: Cell
+    condition: tuple[tuple[str, Any], ...]
+    setting: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
 class Sweep:
     """A validated sweep file and its cells."""
 
@@ -66,6 +104,14 @@ class Sweep:
     paired: tuple[tuple[str, str], ...]
     cells: tuple[Cell, ...]
     engine: str = "vectorized"
+    tuning: Tuning | None = None
+    trials: tuple[Trial, ...] = ()
+    choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] | None = None
+
+    def tuned(self, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]]) -> "Sweep":
+        """This sweep with every cell using the values chosen for its (variant, condition)."""
+        cells = expand_cells(self.base, self.grid, self.variants, self.output, choices)
+        return replace(self, cells=tuple(cells), choices=choices)
 
     @property
     def replicate_keys(self) -> list[str]:
@@ -148,15 +194,20 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
     cells = tuple(expand_cells(base, grid, variants, directory))
     labels = list(dict.fromkeys(cell.variant for cell in cells))
     paired = _paired(document.get("paired", []), labels)
-    return Sweep(path, directory, base, grid, variants, paired, cells, engine)
+    tuning = _tuning(document["tune"], base, grid, variants) if "tune" in document else None
+    trials = tuple(expand_trials(base, grid, variants, tuning, directory)) if tuning else ()
+    return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials)
 
 
 def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
-                 output: Path) -> list[Cell]:
+                 output: Path, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] | None = None
+                 ) -> list[Cell]:
     """Every variant × every combination of grid values, with validated configs.
 
     Cells with the same ``seed`` get the same fixed ``privacy-seed``
-    (:func:`privacy_seed_for`) unless the sweep sets one.
+    (:func:`privacy_seed_for`) unless the sweep sets one. With ``choices``
+    (from tuning), a cell also takes the values chosen for its variant and
+    condition (:func:`condition_of`).
     """
     cells: list[Cell] = []
     seen: dict[str, Cell] = {}
@@ -165,26 +216,105 @@ def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Seq
         variant_grid = {k: v for k, v in grid.items() if k not in keys}
         for values in itertools.product(*variant_grid.values()):
             grid_values = dict(zip(variant_grid, values))
-            mapping = {**base, **keys, **grid_values}
-            name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
+            name = variant["name"] if variant else str({**base, **keys, **grid_values}.get("mechanism", RunConfig.mechanism))
+            chosen = (choices or {}).get((name, condition_of(grid_values)), {})
             cell_id = cell_id_of(variant["name"] if variant else None, grid_values)
             if cell_id in seen:
                 raise SweepError(f"cells {seen[cell_id].overrides} and {grid_values} (variant '{name}') "
                                  f"have the same id '{cell_id}'; rename a variant")
-            seed = mapping.get("seed", RunConfig.seed)
-            if "privacy-seed" not in mapping and isinstance(seed, int) and not isinstance(seed, bool):
-                if seed < 0:
-                    raise SweepError(f"cell '{cell_id}': seed={seed!r} is not allowed; expected an integer ≥ 0")
-                mapping["privacy-seed"] = privacy_seed_for(seed)
-            mapping["results-dir"] = str(output / "runs" / cell_id)
-            try:
-                config = load_config(None, mapping)
-            except ConfigError as error:
-                raise SweepError(f"cell '{cell_id}': {error}") from None
-            cell = Cell(cell_id, name, {**grid_values, **keys}, config)
+            config = _cell_config(cell_id, {**base, **keys, **chosen, **grid_values}, output / "runs")
+            cell = Cell(cell_id, name, {**grid_values, **keys, **chosen}, config)
             seen[cell_id] = cell
             cells.append(cell)
     return cells
+
+
+def condition_of(grid_values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The grid values that define a condition: all but the replicate keys (``seed``)."""
+    return tuple((k, v) for k, v in grid_values.items() if k not in REPLICATE_KEYS)
+
+
+def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
+                  tuning: Tuning, output: Path) -> list[Trial]:
+    """Every variant × condition × combination of its tuned values × tuning seed, in ``output/tuning``."""
+    conditions = {k: v for k, v in grid.items() if k not in REPLICATE_KEYS}
+    trials: list[Trial] = []
+    for variant in variants or [None]:
+        keys = {k: v for k, v in (variant or {}).items() if k != "name"}
+        variant_conditions = {k: v for k, v in conditions.items() if k not in keys}
+        tuned = tuning.grid_for(variant)
+        for condition_values in itertools.product(*variant_conditions.values()):
+            condition = dict(zip(variant_conditions, condition_values))
+            for setting_values in itertools.product(*tuned.values()):
+                setting = dict(zip(tuned, setting_values))
+                for seed in tuning.seeds:
+                    mapping = {**base, **keys, **setting, **condition, "seed": seed}
+                    name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
+                    cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
+                    config = _cell_config(cell_id, mapping, output / "tuning")
+                    if config.server_validation_fraction == 0:
+                        raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
+                                         "never the test set: set server-validation-fraction > 0 in [base]")
+                    trials.append(Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
+                                        tuple(condition.items()), tuple(setting.items())))
+    return trials
+
+
+def _cell_config(cell_id: str, mapping: dict[str, Any], folder: Path) -> RunConfig:
+    """A cell's validated config: its own fixed privacy seed from its data seed, its folder under ``folder``."""
+    seed = mapping.get("seed", RunConfig.seed)
+    if "privacy-seed" not in mapping and isinstance(seed, int) and not isinstance(seed, bool):
+        if seed < 0:
+            raise SweepError(f"cell '{cell_id}': seed={seed!r} is not allowed; expected an integer ≥ 0")
+        mapping = {**mapping, "privacy-seed": privacy_seed_for(seed)}
+    try:
+        return load_config(None, {**mapping, "results-dir": str(folder / cell_id)})
+    except ConfigError as error:
+        raise SweepError(f"cell '{cell_id}': {error}") from None
+
+
+def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
+            variants: Sequence[dict[str, Any]]) -> Tuning:
+    if not isinstance(raw, dict):
+        raise SweepError(f"'tune' must be a table ([tune]), got {raw!r}")
+    for key in raw:
+        if key not in TUNE_KEYS:
+            raise SweepError(f"[tune]: {unknown_key_message(key, TUNE_KEYS, 'key')}")
+    names = [v["name"] for v in variants]
+    per_variant = _table(raw, "variants")
+    for name, table in per_variant.items():
+        if name not in names:
+            raise SweepError(f"[tune.variants.{name}]: no variant '{name}'; variants: {', '.join(names) or 'none'}")
+    tuned_grid = _tune_grid("[tune.grid]", _table(raw, "grid"), base, grid)
+    per_variant = {name: _tune_grid(f"[tune.variants.{name}]", table, base, grid)
+                   for name, table in per_variant.items()}
+    if not tuned_grid and not any(per_variant.values()):
+        raise SweepError("[tune] tunes nothing: give [tune.grid] or [tune.variants.<name>] keys with lists of values")
+    seeds = raw.get("seeds", [])
+    grid_seeds = set(grid.get("seed", [base.get("seed", RunConfig.seed)]))
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                       for s in seeds)):
+        raise SweepError(f"[tune] seeds={seeds!r} is not allowed; expected a non-empty list of integers ≥ 0")
+    if grid_seeds & set(seeds):
+        raise SweepError(f"[tune] seeds={seeds!r} share {sorted(grid_seeds & set(seeds))} with the sweep's seeds: "
+                         "tune on other data seeds than those the results are reported on")
+    last_rounds = raw.get("last-rounds", 5)
+    if not (isinstance(last_rounds, int) and not isinstance(last_rounds, bool) and last_rounds >= 1):
+        raise SweepError(f"[tune] last-rounds={last_rounds!r} is not allowed; expected an integer ≥ 1")
+    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds)
+
+
+def _tune_grid(where: str, table: dict[str, Any], base: dict[str, Any], grid: dict[str, list[Any]]
+               ) -> dict[str, list[Any]]:
+    _check_config_keys(where, table)
+    for key, values in table.items():
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"{where}: '{key}' must be a non-empty list of values, got {values!r}")
+        if key in grid or key in REPLICATE_KEYS:
+            raise SweepError(f"{where}: '{key}' is a [grid] key or a seed; tune keys the grid does not set")
+        if key in base:
+            raise SweepError(f"{where}: '{key}' is also in [base]; keep it in one")
+    return table
 
 
 def privacy_seed_for(seed: int) -> int:

@@ -109,3 +109,39 @@ def _paired_tests(differences: np.ndarray) -> tuple[float, float, float, float]:
             wilcoxon = stats.wilcoxon(differences)
             w_result = (float(wilcoxon.statistic), float(wilcoxon.pvalue))
     return *t_result, *w_result
+
+
+@dataclass(frozen=True)
+class TrialScore:
+    """One finished tuning run's validation score."""
+
+    variant: str
+    condition: tuple[tuple[str, Any], ...]
+    setting: tuple[tuple[str, Any], ...]
+    score: float
+
+
+def validation_score(rounds: Sequence[dict[str, Any]], last_rounds: int) -> float:
+    """Mean ``validation_accuracy`` over the last ``last_rounds`` rounds (NaN when there is none)."""
+    values = [r["validation_accuracy"] for r in rounds[-last_rounds:] if r.get("validation_accuracy") is not None]
+    return float(np.mean(values)) if values else math.nan
+
+
+def setting_scores(scores: Sequence[TrialScore]) -> dict[tuple[str, tuple, tuple], tuple[float, int]]:
+    """(variant, condition, setting) → (mean score over its seeds, number of seeds), in first-seen order."""
+    grouped: dict[tuple[str, tuple, tuple], list[float]] = {}
+    for s in scores:
+        grouped.setdefault((s.variant, s.condition, s.setting), []).append(s.score)
+    return {key: (float(np.mean(values)), len(values)) for key, values in grouped.items()}
+
+
+def best_settings(scores: Sequence[TrialScore]) -> dict[tuple[str, tuple], dict[str, Any]]:
+    """(variant, condition) → the setting with the highest mean score (the first one on ties; NaN never wins)."""
+    best: dict[tuple[str, tuple], tuple[float, tuple]] = {}
+    for (variant, condition, setting), (score, _) in setting_scores(scores).items():
+        if math.isnan(score):
+            continue
+        if (variant, condition) not in best or score > best[(variant, condition)][0]:
+            best[(variant, condition)] = (score, setting)
+    return {key: dict(setting) for key, (_, setting) in best.items()}
+
