@@ -359,7 +359,8 @@ mixing-strength = [0.25, 1.0]
 """
 
 
-def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_path):
+def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     sweep = load_sweep(_write(tmp_path, TUNED))
     counts = {}
     for trial in sweep.trials:
@@ -373,6 +374,7 @@ def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_
 
 def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # output = "out" is relative to the working directory
     sweep = load_sweep(_write(tmp_path, TUNED))
     outcome = run_sweep(sweep, show_progress=False)
     assert not outcome.failed
