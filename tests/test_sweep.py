@@ -130,6 +130,23 @@ def test_the_committed_privacy_utility_sweep_is_valid():
     assert (control.config.mechanism, control.config.hog_term) == ("hog", "random")
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("sweep_*.toml")), ids=lambda p: p.stem)
+def test_every_committed_sweep_file_loads_and_its_tuning_holds_a_validation_set(path):
+    sweep = load_sweep(path)
+    assert sweep.cells
+    assert all(t.cell.config.server_validation_fraction > 0 for t in sweep.trials)
+
+
+def test_the_tuned_sweeps_tune_every_variant_per_condition():
+    sweep = load_sweep(ROOT / "configs" / "sweep_convergence.toml")
+    conditions = {(t.cell.variant, t.condition) for t in sweep.trials}
+    assert {c for v, c in conditions if v == "hog"} == {(("model", m), ("target-epsilon", e))
+                                                          for m in ("mlp", "cnn1d") for e in (1.0, 3.0, 8.0)}
+    hog = {t.setting for t in sweep.trials if t.cell.variant == "hog"}
+    assert len(hog) == 2 * 3 * 3 and {dict(s)["mixing-strength"] for s in hog} == {0.25, 0.5, 1.0}
+    assert {t.cell.config.rounds for t in sweep.trials} == {100} and {c.config.seed for c in sweep.cells} == set(range(5))
+
+
 @pytest.mark.parametrize(("text", "match"), [
     ('output = "o"\nnoise = 1', "unknown key 'noise'"),
     ('[grid]\nseed = [0]', "output=None"),
