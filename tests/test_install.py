@@ -64,7 +64,7 @@ def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_
     with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RAY_TMPDIR": ray, **tag,  # no venv on PATH
                "FEDHOG_CACHE": os.environ.get("FEDHOG_CACHE", str(home / ".cache" / "fedhog"))}
-        command = [str(installed / "bin" / "fedhog"), "run"]  # no config: the packaged quickstart, made tiny
+        command = [str(installed / "bin" / "fedhog"), "run", "--engine", "simulation"]  # the packaged quickstart, tiny
         for setting in TINY:
             command += ["--set", setting]
         done = subprocess.run(command, env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600)
