@@ -106,6 +106,7 @@ def run_flower_dp(
             round=server_round, clients_sampled=cohort, clients_accepted=cohort if released else 0,
             clients_rejected=0 if released else cohort, epsilon=spent.epsilon,
             seconds=time.perf_counter() - started, accuracy=metrics["accuracy"], loss=metrics["loss"],
+            auroc=metrics.get("auroc", math.nan), auprc=metrics.get("auprc", math.nan),
             train_loss=train_loss, noise_std=config.noise_multiplier * config.clipping_norm / cohort,
             clipping_norm=config.clipping_norm), arrays)
         started = time.perf_counter()

@@ -72,6 +72,8 @@ class RoundRecord:
     seconds: float = 0.0
     accuracy: float = math.nan
     loss: float = math.nan
+    auroc: float = math.nan  # with metrics = "...auroc": test AUROC (binary labels), else NaN (null in metrics.json)
+    auprc: float = math.nan  # with metrics = "...auprc": test average precision (binary labels)
     train_loss: float = math.nan
     mean_norm_before_clip: float = math.nan
     fraction_clipped: float = math.nan
@@ -476,6 +478,7 @@ class SecureAggregator(Strategy):
                 metrics = evaluate_fn(server_round, arrays)
                 result.evaluate_metrics_serverapp[server_round] = metrics
                 record.accuracy, record.loss = float(metrics["accuracy"]), float(metrics["loss"])
+                record.auroc, record.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
             record.seconds = time.perf_counter() - started
             log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
                 server_round, record.accuracy, record.epsilon, record.clients_sampled,
