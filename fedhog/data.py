@@ -400,7 +400,7 @@ def tabular_source(dataset: str) -> tuple[str, Path] | None:
 
 
 def _validate_tabular(spec: DataSpec) -> None:
-    """The tabular keys: required and the file present for tables, absent for the built-in datasets."""
+    """The tabular keys: ``label-column`` required for tables, no column keys for the built-in datasets."""
     source = tabular_source(spec.dataset)
     columns = {"label-column": spec.label_column, "feature-columns": spec.feature_columns,
                "client-column": spec.client_column}
@@ -410,10 +410,6 @@ def _validate_tabular(spec: DataSpec) -> None:
                 raise _reject(key, value, f"'' for dataset={spec.dataset!r} (the column keys are for tables: "
                               "'csv:PATH', 'parquet:PATH', 'npz:PATH')")
         return
-    fmt, path = source
-    if not path.is_file():
-        raise _reject("dataset", spec.dataset, f"a {fmt} file that exists; {path.absolute()} "
-                      + ("is not a file" if path.exists() else "was not found"))
     if not spec.label_column:
         raise _reject("label-column", spec.label_column, f"the name of the label's column in {spec.dataset}")
 
@@ -501,7 +497,10 @@ def _codes(spec: DataSpec, key: str, values: np.ndarray) -> tuple[np.ndarray, np
 
 def _tabular_federation(spec: DataSpec) -> _Federation:
     """A table as a federation: natural clients or partitioned, a held-out test set, train-fitted scaling."""
-    _, path = tabular_source(spec.dataset)  # type: ignore[misc]
+    fmt, path = tabular_source(spec.dataset)  # type: ignore[misc]
+    if not path.is_file():  # checked when the data is loaded: a config is valid where the file is not (a server)
+        raise _reject("dataset", spec.dataset, f"a {fmt} file that exists; {path.absolute()} "
+                      + ("is not a file" if path.exists() else "was not found"))
     table = _read_table(spec.dataset, path.stat().st_mtime)
     x = _features(spec, table, _column_names(spec, table))
     classes, y = _codes(spec, "label-column", table[spec.label_column])

@@ -110,7 +110,6 @@ def _check_loaded(config: RunConfig) -> None:
 
 
 @pytest.mark.parametrize("keys, expected", [
-    ({"dataset": "csv:/no/such/file.csv"}, ["dataset='csv:/no/such/file.csv'", "was not found"]),
     ({"label-column": ""}, ["label-column=''", "the name of the label's column"]),
     ({"dataset": "xlsx:/a.xlsx"}, ["dataset='xlsx:/a.xlsx'", "'csv:PATH', 'parquet:PATH' or 'npz:PATH'"]),
 ])
@@ -126,6 +125,7 @@ def test_the_column_keys_are_refused_for_built_in_datasets():
 
 
 @pytest.mark.parametrize("keys, expected", [
+    ({"dataset": "csv:/no/such/file.csv"}, ["dataset='csv:/no/such/file.csv'", "was not found"]),
     ({"label-column": "label"}, ["label-column='label'", "its columns are bank, amount, category, fraud"]),
     ({"feature-columns": "amount,colour"}, ["feature-columns='amount,colour'", "'colour' is not one"]),
     ({"client-column": "branch"}, ["client-column='branch'", "its columns are"]),
