@@ -1,4 +1,4 @@
-"""fedhog from Python: ``fedhog.run(config, **overrides)``, and the checks that make a user's data and model fail early."""
+"""fedhog from Python: ``fedhog.run(config, **overrides)``; the checks that make a user's data and model fail early."""
 
 from __future__ import annotations
 

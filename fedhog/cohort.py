@@ -36,7 +36,9 @@ def unbatchable_model_reason(model: nn.Module) -> str | None:
     forward cannot keep per client.
     """
     buffers = [name for name, _ in model.named_buffers()]
-    return f"the model has buffers ({', '.join(buffers[:3])}), which one batch cannot keep per client" if buffers else None
+    if not buffers:
+        return None
+    return f"the model has buffers ({', '.join(buffers[:3])}), which one batch cannot keep per client"
 
 
 @dataclass(frozen=True)

@@ -447,10 +447,11 @@ def _column_names(spec: DataSpec, table: dict[str, np.ndarray]) -> list[str]:
         names = [n.strip() for n in spec.feature_columns.split(",")]
         for name in names:
             if name not in table:
-                raise _reject("feature-columns", spec.feature_columns,
-                              f"comma-separated columns of {spec.dataset}; {name!r} is not one (its columns are {known})")
+                raise _reject("feature-columns", spec.feature_columns, f"comma-separated columns of "
+                              f"{spec.dataset}; {name!r} is not one (its columns are {known})")
         if spec.label_column in names:
-            raise _reject("feature-columns", spec.feature_columns, f"columns other than label-column={spec.label_column!r}")
+            raise _reject("feature-columns", spec.feature_columns,
+                          f"columns other than label-column={spec.label_column!r}")
     if not names:
         raise _reject("feature-columns", spec.feature_columns, f"at least one feature column in {spec.dataset}")
     return names
@@ -486,7 +487,10 @@ def _codes(spec: DataSpec, key: str, values: np.ndarray) -> tuple[np.ndarray, np
     """Distinct values (sorted) and each row's index among them; missing values refused."""
     if values.ndim != 1:
         raise _reject(key, getattr(spec, key.replace("-", "_")), f"a 1-D column; it has shape {values.shape}")
-    missing = int(np.count_nonzero([v is None or (isinstance(v, float) and math.isnan(v)) for v in values]))
+    if values.dtype.kind == "f":
+        missing = int(np.count_nonzero(np.isnan(values)))
+    else:
+        missing = sum(v is None or (isinstance(v, float) and math.isnan(v)) for v in values.astype(object))
     if missing:
         raise _reject(key, getattr(spec, key.replace("-", "_")), f"a column without missing values; it has {missing}")
     try:

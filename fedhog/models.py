@@ -154,7 +154,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     Parameters
     ----------
     name : str
-        ``package.module:factory`` (the user's own, see the module docstring) or one of ``MODELS``: ``logreg`` (linear), ``mlp`` (two tanh hidden layers of
+        ``package.module:factory`` (the user's own, see the module docstring) or
+        one of ``MODELS``: ``logreg`` (linear), ``mlp`` (two tanh hidden layers of
         ``MLP_HIDDEN``), ``cnn1d`` (``input_shape`` ``(L,)`` or ``(C, L)``) or
         ``cnn2d`` (``input_shape`` ``(H, W)`` or ``(C, H, W)``). ``logreg`` and
         ``mlp`` flatten any ``input_shape``.

@@ -16,7 +16,7 @@ POPULATION = 4
 
 
 def _apps(config: RunConfig, rounds: int, finished: dict) -> tuple[ServerApp, ClientApp]:
-    """A ClientApp whose update is (partition + 1)·1 with partition + 1 examples; a ServerApp around SecureAggregator."""
+    """A ClientApp replying Δ = (partition + 1)·1 for partition + 1 examples; a ServerApp around SecureAggregator."""
     client = ClientApp()
 
     @client.train()

@@ -156,6 +156,12 @@ def test_missing_feature_values_and_one_client_or_one_label_are_refused(tmp_path
     table.to_csv(tmp_path / "nan.csv", index=False)
     with pytest.raises(ConfigError, match="'amount' has 1"):
         _check_loaded(_config(tmp_path / "nan.csv"))
+    table = _table()
+    table.loc[5, "fraud"] = np.nan
+    table.to_csv(tmp_path / "label.csv", index=False)
+    with pytest.raises(ConfigError, match="label-column='fraud' is not allowed; expected a column without missing "
+                                          "values; it has 1"):
+        _check_loaded(_config(tmp_path / "label.csv"))
     table = _table().assign(bank="only")
     table.to_csv(tmp_path / "one.csv", index=False)
     with pytest.raises(ConfigError, match=r"client-column='bank' is not allowed; expected a column with at least 2 "
@@ -181,3 +187,15 @@ def test_auroc_and_auprc_are_refused_for_more_than_two_classes():
     with pytest.raises(ConfigError, match="metrics='accuracy,f1' is not allowed; expected comma-separated names "
                                           "among accuracy, auroc, auprc"):
         load_config({"metrics": "accuracy,f1"})
+
+
+def test_fedhog_run_refuses_a_bad_table_before_it_claims_a_results_folder(csv_file, monkeypatch, capsys):
+    from fedhog.cli import main
+
+    monkeypatch.chdir(csv_file.parent)
+    (csv_file.parent / "bad.toml").write_text(f'dataset = "csv:{csv_file}"\nlabel-column = "is_fraud"\n'
+                                              'client-column = "bank"\npopulation = 4\nsampling-rate = 0.5\n'
+                                              'delta = 1e-3\n')
+    assert main(["run", "bad.toml", "--engine", "inprocess"]) == 2
+    assert "config error: data: label-column='is_fraud' is not allowed" in " ".join(capsys.readouterr().err.split())
+    assert not (csv_file.parent / "results").exists()

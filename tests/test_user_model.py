@@ -38,7 +38,8 @@ SOURCE = textwrap.dedent('''
         return Erf(math.prod(input_shape), num_classes)
 
     def batchnorm_model(input_shape, num_classes):
-        return nn.Sequential(nn.Linear(math.prod(input_shape), 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, num_classes))
+        return nn.Sequential(nn.Linear(math.prod(input_shape), 4), nn.BatchNorm1d(4), nn.Tanh(),
+                             nn.Linear(4, num_classes))
 
     def one_output(input_shape, num_classes):
         return nn.Linear(math.prod(input_shape), 1)
