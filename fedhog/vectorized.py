@@ -67,6 +67,8 @@ class VectorizedGrid(InProcessGrid):
         """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
         config = self.config
         nodes = list(cohort)
+        if not nodes:  # Poisson sampling can draw nobody: the round releases the noise alone
+            return []
         partitions = [self.partition_of_node[node] for node in nodes]
         seeds = [direction_seed(config.seed, server_round, p) for p in partitions]
         with measure_peak_memory(self.device) as peak:

@@ -139,3 +139,10 @@ def test_a_trained_users_model_exports_to_torchscript(table):
     eager.load_state_dict(torch.load(result.directory / "final_model.pt"))
     x = torch.randn(5, 3)
     torch.testing.assert_close(scripted(x), eager.eval()(x))
+
+
+@pytest.mark.slow
+def test_the_simulation_engine_imports_a_factory_from_the_working_directory(table):
+    """Flower's processes start in other folders: fedhog puts the working directory on their PYTHONPATH."""
+    result = fedhog.run(_config(table, rounds=1, population=4), engine="simulation")
+    assert result.summary["rounds_completed"] == 1 and 0 <= result.summary["final_auprc"] <= 1
