@@ -1,1 +1,18 @@
-"""fedhog: federated learning with higher-order differential-privacy mixing."""
+"""fedhog: federated learning with higher-order differential-privacy mixing.
+
+``fedhog.run(config, **overrides)`` runs one training from Python (:func:`fedhog.api.run`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import RunResult
+
+
+def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, **overrides: Any) -> RunResult:
+    """Run one federated training and return its results folder and metrics (see :func:`fedhog.api.run`)."""
+    from .api import run as run_api  # torch and Flower load when a run starts, not on `import fedhog`
+
+    return run_api(config, engine=engine, overwrite=overwrite, **overrides)

@@ -168,6 +168,9 @@ def _prepare(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
         launch = {**_default_launch(args.command, config), **given}
     _check_launch(config, launch)
     check_device(config.device)
+    from .api import check_inputs  # loads a table or a model factory now, so bad input fails before any engine
+
+    check_inputs(config)
     _check_metrics_port(config.metrics_port)
     if args.resume:
         record_launch(Path(config.results_dir), launch)
@@ -341,6 +344,10 @@ def _report(directory: Path, failed: bool, error: object) -> int:
     table.add_row("rounds", f"{summary['rounds_completed']} of {summary['rounds_planned']}"
                   + ("  (stopped: max-epsilon reached)" if summary["stopped_by_budget"] else ""))
     table.add_row("test accuracy", f"{format_value(summary['initial_accuracy'])} → {format_value(summary['final_accuracy'])}")
+    for name in ("auroc", "auprc"):
+        if f"final_{name}" in summary:
+            table.add_row(f"test {name.upper()}",
+                          f"{format_value(summary[f'initial_{name}'])} → {format_value(summary[f'final_{name}'])}")
     epsilon = summary["epsilon"]
     table.add_row("privacy", "[bold red]ε = ∞: NO differential privacy[/]" if epsilon == "inf"
                   else f"(ε = {epsilon:.3f}, δ = {summary['delta']:g}), client-level")

@@ -29,6 +29,18 @@ from torch.func import functional_call, grad, jvp, vmap
 from .training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
 
 
+def unbatchable_model_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot train as a stacked cohort (None when it can).
+
+    Buffers (BatchNorm's running statistics, say) are state that one batched
+    forward cannot keep per client.
+    """
+    buffers = [name for name, _ in model.named_buffers()]
+    if not buffers:
+        return None
+    return f"the model has buffers ({', '.join(buffers[:3])}), which one batch cannot keep per client"
+
+
 @dataclass(frozen=True)
 class CohortWork:
     """What the cohort's clients computed: rows in the order of the clients asked for.
@@ -64,10 +76,9 @@ class CohortTrainer:
 
     def __init__(self, model: nn.Module, x: np.ndarray, y: np.ndarray, client_indices: tuple[np.ndarray, ...],
                  device: torch.device) -> None:
-        buffers = [name for name, _ in model.named_buffers()]
-        if buffers:
-            raise ValueError(f"the vectorized engine trains models without buffers; this one has {buffers[:3]} "
-                             "(use --engine inprocess)")
+        reason = unbatchable_model_reason(model)
+        if reason:
+            raise ValueError(f"the vectorized engine cannot train this model: {reason} (use --engine inprocess)")
         self.model = model.to(device)
         self.shapes = {key: value.shape for key, value in model.state_dict().items()}
         self.keys = list(self.shapes)

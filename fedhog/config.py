@@ -18,9 +18,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .data import PARTITIONERS, DataSpec, validate_spec
+from .data import PARTITIONERS, TABULAR_FORMATS, DataSpec, validate_spec
 from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
-from .models import MODELS
+from .models import MODELS, is_factory
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
@@ -35,6 +35,8 @@ CLIENT_DP = ("none", "dpsgd")
 AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY_LEVEL_KEYS = ("noise-multiplier", "target-epsilon")  # σ, or the ε to calibrate σ for: one of them
+TEST_METRICS = ("accuracy", "auroc", "auprc")  # the `metrics` key: loss and accuracy always; AUROC, AUPRC binary only
+BINARY_METRICS = ("auroc", "auprc")
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,10 @@ class RunConfig:
     server_validation_fraction: float = 0.0
     proxy_fraction: float = 0.0
     population: int = 1000
+    label_column: str = ""
+    feature_columns: str = ""
+    client_column: str = ""
+    metrics: str = "accuracy"
     # model and local training
     model: str = "cnn1d"
     local_epochs: int = 1
@@ -146,7 +152,16 @@ class RunConfig:
             server_validation_fraction=self.server_validation_fraction,
             proxy_fraction=self.proxy_fraction,
             seed=self.seed,
+            label_column=self.label_column,
+            feature_columns=self.feature_columns,
+            client_column=self.client_column,
         )
+
+    @property
+    def test_metrics(self) -> tuple[str, ...]:
+        """The ``metrics`` to evaluate the global model with, in the order given (accuracy always included)."""
+        names = tuple(dict.fromkeys(n.strip() for n in self.metrics.split(",")))
+        return names if "accuracy" in names else ("accuracy", *names)
 
     @property
     def mechanism_settings(self) -> MechanismSettings:
@@ -194,7 +209,13 @@ class RunConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad key (the dataset is checked by :mod:`fedhog.data`)."""
         _choice("partitioner", self.partitioner, PARTITIONERS)
-        _choice("model", self.model, MODELS)
+        if self.model not in MODELS and not is_factory(self.model):
+            raise ConfigError(f"model={self.model!r} is not allowed; expected one of {', '.join(MODELS)} or "
+                              "'package.module:factory', a callable factory(input_shape, num_classes) returning "
+                              "a torch.nn.Module")
+        for name in self.test_metrics:
+            _check("metrics", self.metrics, name in TEST_METRICS,
+                   f"comma-separated names among {', '.join(TEST_METRICS)} ({name!r} is not one)")
         _choice("aggregator", self.aggregator, AGGREGATORS)
         _choice("mechanism", self.mechanism, MECHANISMS)
         _choice("sampling", self.sampling, SAMPLING_METHODS)
@@ -270,6 +291,14 @@ class RunConfig:
         if self.aggregator == "flower-dp":
             self._validate_flower_dp()
 
+    def check_metrics(self, num_classes: int) -> None:
+        """AUROC and AUPRC rank the examples of a binary label: refuse them for more classes."""
+        ranking = [name for name in self.test_metrics if name in BINARY_METRICS]
+        if ranking and num_classes != 2:
+            raise ConfigError(f"metrics={self.metrics!r} is not allowed for dataset={self.dataset!r}: "
+                              f"{', '.join(ranking)} need a binary label and it has {num_classes} classes; "
+                              "expected metrics = \"accuracy\"")
+
     def calibrated(self) -> "RunConfig":
         """This config with σ calibrated to ``target-epsilon`` (itself when that is off).
 
@@ -327,9 +356,11 @@ class RunConfig:
         return getattr(self, key.replace("-", "_"))
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None,
                 notes: list[str] | None = None) -> RunConfig:
-    """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``) and apply overrides.
+    """Read a TOML run config (flat keys, or under ``[tool.flwr.app.config]``, or a mapping) and apply overrides.
+
+    A table dataset's relative path is made absolute against the working directory.
 
     σ (``noise-multiplier``) and ``target-epsilon`` (which calibrates σ) exclude
     each other: one source (the file, or the overrides) that sets both is refused.
@@ -338,7 +369,9 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     """
     values: dict[str, Any] = {}
     overrides = dict(overrides or {})
-    if path is not None:
+    if isinstance(path, Mapping):
+        values = dict(path)
+    elif path is not None:
         document = read_toml(path)
         values = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document)
     for source in (values, overrides):
@@ -357,7 +390,16 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             notes.append(f"{given} (override) replaces {dropped} of {path}: an override of σ or of "
                          "target-epsilon takes the place of the file's other")
         values = {k: v for k, v in values.items() if k not in replaced}
-    return RunConfig.from_mapping({**values, **overrides})
+    return with_absolute_dataset(RunConfig.from_mapping({**values, **overrides}))
+
+
+def with_absolute_dataset(config: RunConfig) -> RunConfig:
+    """A table's relative path (``csv:data/x.csv``) made absolute against the working directory, so that
+    every process of the run (Flower's start in other folders) reads the same file."""
+    fmt, sep, path = config.dataset.partition(":")
+    if not (sep and fmt in TABULAR_FORMATS) or Path(path).is_absolute():
+        return config
+    return dataclasses.replace(config, dataset=f"{fmt}:{Path(path).absolute()}")
 
 
 def unknown_key_message(key: str, known: Iterable[str], what: str = "config key") -> str:

@@ -10,6 +10,14 @@ Layout of one spec:
   (``test_fraction`` of the data; the ``test`` split for ``hf:``), the rest is
   the training pool, which a flwr-datasets partitioner splits into
   ``num_partitions`` disjoint client partitions covering the pool.
+* ``csv:PATH``, ``parquet:PATH``, ``npz:PATH``: the user's own table (see
+  :func:`tabular_source`): ``label_column`` holds the label, ``feature_columns``
+  (default: every other column but ``client_column``) the numeric features. With
+  ``client_column`` each distinct value is one client (in sorted order; a natural
+  federation) and ``test_fraction`` of each client's rows go to the central test
+  set; without it ``test_fraction`` of all rows are held out and a partitioner
+  splits the rest. Features are standardised with the mean and standard deviation
+  of the clients' training rows only (not their validation rows, not the test set).
 * ``synthetic`` / ``synthetic:<alpha>,<beta>``: FedProx Synthetic(alpha, beta)
   (Li et al., 2020); every client generates its own data (natural partition,
   ``partitioner``, ``alpha`` and ``num_samples`` are ignored) and hands
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
 DATASETS = ("mnist1d", "digits", "synthetic")
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 HF_PREFIX = "hf:"
+TABULAR_FORMATS = ("csv", "parquet", "npz")
 SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
 
 
@@ -85,6 +94,10 @@ class DataSpec:
         Fraction of all examples the server holds as proxy data, in [0, 1).
     seed : int
         Seed of data generation, splitting and partitioning.
+    label_column, feature_columns, client_column : str
+        Tabular datasets only: the label's column, the feature columns
+        (comma-separated; empty: all but the label and client columns) and the
+        column naming each row's client (empty: partition with ``partitioner``).
     """
 
     dataset: str = "mnist1d"
@@ -98,6 +111,9 @@ class DataSpec:
     server_validation_fraction: float = 0.0
     proxy_fraction: float = 0.0
     seed: int = 0
+    label_column: str = ""
+    feature_columns: str = ""
+    client_column: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,7 @@ class _Federation:
     server_validation: ArrayData
     proxy: ArrayData
     clients: tuple[tuple[np.ndarray, np.ndarray], ...]  # (train, validation) indices
+    num_classes: int = 0  # tabular datasets: distinct labels in the whole file
 
 
 def _reject(key: str, value: object, expected: str) -> ValueError:
@@ -167,12 +184,14 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
         dataset in DATASETS
         or _synthetic_params(dataset) is not None
         or (dataset.startswith(HF_PREFIX) and len(dataset) > len(HF_PREFIX))
+        or tabular_source(dataset) is not None
     ):
         raise _reject(
             "dataset", dataset,
-            f"one of {DATASETS}, 'synthetic:<alpha>,<beta>' with alpha, beta >= 0 "
-            f"or '{HF_PREFIX}<hugging face id>'",
+            f"one of {DATASETS}, 'synthetic:<alpha>,<beta>' with alpha, beta >= 0, "
+            f"'{HF_PREFIX}<hugging face id>' or a table: 'csv:PATH', 'parquet:PATH' or 'npz:PATH'",
         )
+    _validate_tabular(spec)
     if spec.partitioner not in PARTITIONERS:
         raise _reject("partitioner", spec.partitioner, f"one of {PARTITIONERS}")
     if not _is_int(spec.num_samples) or spec.num_samples < 10:
@@ -216,6 +235,9 @@ def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
     Only ``hf:`` datasets are loaded to answer this.
     """
     validate_spec(spec)
+    if tabular_source(spec.dataset) is not None:
+        federation = _federation(spec)
+        return tuple(federation.x.shape[1:]), federation.num_classes
     if spec.dataset == "mnist1d":
         return (1, 40), 10
     if spec.dataset == "digits":
@@ -277,6 +299,8 @@ def _federation(spec: DataSpec) -> _Federation:
     params = _synthetic_params(spec.dataset)
     if params is not None:
         return _synthetic_federation(spec, *params)
+    if tabular_source(spec.dataset) is not None:
+        return _tabular_federation(spec)
     if spec.dataset.startswith(HF_PREFIX):
         x, y, test, _ = _load_hf(spec.dataset.removeprefix(HF_PREFIX), spec.seed)
     else:
@@ -408,6 +432,170 @@ def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federat
     return _Federation(
         np.concatenate(xs), np.concatenate(ys).astype(np.int64), test, empty, empty, tuple(clients)
     )
+
+
+def tabular_source(dataset: str) -> tuple[str, Path] | None:
+    """``(format, path)`` of a ``csv:PATH`` / ``parquet:PATH`` / ``npz:PATH`` dataset, None for other names.
+
+    CSV and Parquet files are read with pandas (one column per column); an
+    ``.npz`` file's arrays are its columns: 1-D arrays of one length, or a single
+    ``[N, ...]`` array as the only feature column (its example shape is kept).
+    """
+    fmt, sep, path = dataset.partition(":") if isinstance(dataset, str) else ("", "", "")
+    return (fmt, Path(path)) if sep and fmt in TABULAR_FORMATS and path else None
+
+
+def _validate_tabular(spec: DataSpec) -> None:
+    """The tabular keys: ``label-column`` required for tables, no column keys for the built-in datasets."""
+    source = tabular_source(spec.dataset)
+    columns = {"label-column": spec.label_column, "feature-columns": spec.feature_columns,
+               "client-column": spec.client_column}
+    if source is None:
+        for key, value in columns.items():
+            if value:
+                raise _reject(key, value, f"'' for dataset={spec.dataset!r} (the column keys are for tables: "
+                              "'csv:PATH', 'parquet:PATH', 'npz:PATH')")
+        return
+    if not spec.label_column:
+        raise _reject("label-column", spec.label_column, f"the name of the label's column in {spec.dataset}")
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(dataset: str, modified: float) -> dict[str, np.ndarray]:
+    """The columns of a table file (cached per file and modification time)."""
+    fmt, path = tabular_source(dataset)  # type: ignore[misc]
+    try:
+        if fmt == "npz":
+            with np.load(path, allow_pickle=False) as archive:
+                columns = {name: archive[name] for name in archive.files}
+        else:
+            import pandas as pd
+
+            frame = pd.read_csv(path) if fmt == "csv" else pd.read_parquet(path)
+            columns = {str(name): frame[name].to_numpy() for name in frame.columns}
+    except Exception as error:  # pylint: disable=broad-except  # any reader's failure is a bad file
+        raise _reject("dataset", dataset, f"a readable {fmt} file ({type(error).__name__}: {error})") from None
+    lengths = {name: len(values) for name, values in columns.items() if np.ndim(values) >= 1}
+    if not columns or len(lengths) != len(columns) or len(set(lengths.values())) != 1 or not min(lengths.values()):
+        raise _reject("dataset", dataset, f"a non-empty table whose columns have one length (found {lengths})")
+    return columns
+
+
+def _column_names(spec: DataSpec, table: dict[str, np.ndarray]) -> list[str]:
+    """The feature columns: ``feature-columns``, or every column but the label and client columns."""
+    known = ", ".join(table)
+    for key, name in (("label-column", spec.label_column), ("client-column", spec.client_column)):
+        if name and name not in table:
+            raise _reject(key, name, f"a column of {spec.dataset}; its columns are {known}")
+    if not spec.feature_columns:
+        names = [n for n in table if n not in (spec.label_column, spec.client_column)]
+    else:
+        names = [n.strip() for n in spec.feature_columns.split(",")]
+        for name in names:
+            if name not in table:
+                raise _reject("feature-columns", spec.feature_columns, f"comma-separated columns of "
+                              f"{spec.dataset}; {name!r} is not one (its columns are {known})")
+        if spec.label_column in names:
+            raise _reject("feature-columns", spec.feature_columns,
+                          f"columns other than label-column={spec.label_column!r}")
+    if not names:
+        raise _reject("feature-columns", spec.feature_columns, f"at least one feature column in {spec.dataset}")
+    return names
+
+
+_ALL_OTHERS = " (feature-columns = '' takes every column but label-column and client-column)"
+
+
+def _features(spec: DataSpec, table: dict[str, np.ndarray], names: list[str]) -> np.ndarray:
+    """The feature matrix ``[N, F]`` (or one multi-dimensional column's ``[N, ...]``), float64; non-numbers refused."""
+    for name in names:
+        values = table[name]
+        if values.dtype.kind not in "biuf":
+            example = next((v for v in values.ravel() if not isinstance(v, (int, float))), values.ravel()[0])
+            raise _reject("feature-columns", spec.feature_columns,
+                          f"numeric columns{_ALL_OTHERS * (not spec.feature_columns)}; {name!r} holds "
+                          f"{values.dtype} values such as {example!r}. fedhog does "
+                          "not encode categorical columns: encode them as numbers first (one-hot or codes) "
+                          "or leave the column out with feature-columns")
+        if values.ndim > 1 and len(names) > 1:
+            raise _reject("feature-columns", spec.feature_columns, f"1-D columns, or a single [N, ...] array; "
+                          f"{name!r} has shape {values.shape}")
+        bad = int(np.count_nonzero(~np.isfinite(values.astype(np.float64))))
+        if bad:
+            raise _reject("feature-columns", spec.feature_columns, f"columns without missing or infinite values"
+                          f"{_ALL_OTHERS * (not spec.feature_columns)}; {name!r} has {bad}")
+    if len(names) == 1 and table[names[0]].ndim > 1:
+        return table[names[0]].astype(np.float64)
+    return np.stack([table[name].astype(np.float64) for name in names], axis=1)
+
+
+def _codes(spec: DataSpec, key: str, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values (sorted) and each row's index among them; missing values refused."""
+    if values.ndim != 1:
+        raise _reject(key, getattr(spec, key.replace("-", "_")), f"a 1-D column; it has shape {values.shape}")
+    if values.dtype.kind == "f":
+        missing = int(np.count_nonzero(np.isnan(values)))
+    else:
+        missing = sum(v is None or (isinstance(v, float) and math.isnan(v)) for v in values.astype(object))
+    if missing:
+        raise _reject(key, getattr(spec, key.replace("-", "_")), f"a column without missing values; it has {missing}")
+    try:
+        return np.unique(values, return_inverse=True)
+    except TypeError as error:  # mixed types that do not sort
+        raise _reject(key, getattr(spec, key.replace("-", "_")), f"a column of one type ({error})") from None
+
+
+def _tabular_federation(spec: DataSpec) -> _Federation:
+    """A table as a federation: natural clients or partitioned, a held-out test set, train-fitted scaling."""
+    fmt, path = tabular_source(spec.dataset)  # type: ignore[misc]
+    if not path.is_file():  # checked when the data is loaded: a config is valid where the file is not (a server)
+        raise _reject("dataset", spec.dataset, f"a {fmt} file that exists; {path.absolute()} "
+                      + ("is not a file" if path.exists() else "was not found"))
+    table = _read_table(spec.dataset, path.stat().st_mtime)
+    x = _features(spec, table, _column_names(spec, table))
+    classes, y = _codes(spec, "label-column", table[spec.label_column])
+    if len(classes) < 2:
+        raise _reject("label-column", spec.label_column, f"a column with at least 2 distinct labels; it has one "
+                      f"({classes[0]!r})")
+    rng = np.random.default_rng(spec.seed)
+    if spec.client_column:
+        names, groups = _codes(spec, "client-column", table[spec.client_column])
+        if len(names) < 2:
+            raise _reject("client-column", spec.client_column, f"a column with at least 2 distinct values (one "
+                          f"client each); it has one ({names[0]!r})")
+        if len(names) != spec.num_partitions:
+            raise _reject("population", spec.num_partitions, f"the {len(names)} distinct values of "
+                          f"client-column={spec.client_column!r} (one client each): set population = {len(names)}")
+        held_rows: list[list[np.ndarray]] = [[], [], []]  # test, server validation, proxy: a share of each client
+        client_rows = []
+        for client in range(len(names)):
+            *held, rest = _held_out(rng.permutation(np.flatnonzero(groups == client)), spec)
+            for rows, part in zip(held_rows, held):
+                rows.append(part)
+            client_rows.append(rest)
+        pool = np.concatenate(client_rows)
+        starts = np.cumsum([0] + [len(r) for r in client_rows])
+        clients = tuple(_train_val_split(np.arange(a, b), spec.validation_fraction)
+                        for a, b in zip(starts[:-1], starts[1:]))
+        test, validation, proxy = (np.concatenate(rows) for rows in held_rows)
+    else:
+        test, validation, proxy, pool = _held_out(rng.permutation(len(y)), spec)
+        clients = tuple(_train_val_split(part, spec.validation_fraction) for part in _partition(y[pool], spec))
+    train_rows = pool[np.concatenate([train for train, _ in clients])]
+    mean, std = x[train_rows].mean(axis=0), x[train_rows].std(axis=0)
+    std[std == 0] = 1.0  # a constant feature stays constant (0)
+    scaled = ((x - mean) / std).astype(np.float32)
+    test_set, validation_set, proxy_set = (ArrayData(scaled[rows], y[rows].astype(np.int64))
+                                           for rows in (test, validation, proxy))
+    return _Federation(scaled[pool], y[pool].astype(np.int64), test_set, validation_set, proxy_set, clients,
+                       len(classes))
+
+
+def _held_out(rows: np.ndarray, spec: DataSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Shuffled ``rows`` split into test, server validation, proxy (their fractions of ``rows``) and the rest."""
+    sizes = [int(f * len(rows)) for f in (spec.test_fraction, spec.server_validation_fraction, spec.proxy_fraction)]
+    ends = np.cumsum(sizes)
+    return rows[:ends[0]], rows[ends[0]:ends[1]], rows[ends[1]:ends[2]], rows[ends[2]:]
 
 
 def _cache_dir() -> Path:

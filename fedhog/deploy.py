@@ -48,6 +48,7 @@ import psutil
 
 from .app_bundle import write_app_bundle
 from .config import ConfigError, RunConfig
+from .models import is_factory
 from .progress import read_metrics_file, watch_metrics
 from .results import config_to_toml, default_results_dir
 
@@ -508,6 +509,8 @@ def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: P
         workdir = workdir.resolve()
         workdir.mkdir(parents=True, exist_ok=True)
         env = {}
+        if is_factory(config.model):  # Flower's processes start in other folders: let them import the factory here
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
         if simulation and "RAY_TMPDIR" not in os.environ and len(str(workdir / "ray")) <= RAY_TMPDIR_MAX_CHARS:
             env["RAY_TMPDIR"] = str(workdir / "ray")  # removed with the work folder
         app_dir = (app_dir or write_app_bundle(workdir / "app")).resolve()

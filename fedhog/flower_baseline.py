@@ -107,7 +107,9 @@ def run_flower_dp(
             clients_rejected=0 if released else cohort, epsilon=spent.epsilon,
             seconds=time.perf_counter() - started, accuracy=metrics["accuracy"], loss=metrics["loss"],
             validation_accuracy=metrics.get("validation-accuracy", math.nan),
-            validation_loss=metrics.get("validation-loss", math.nan), train_loss=train_loss, noise_std=config.noise_multiplier * config.clipping_norm / cohort,
+            validation_loss=metrics.get("validation-loss", math.nan),
+            auroc=metrics.get("auroc", math.nan), auprc=metrics.get("auprc", math.nan),
+            train_loss=train_loss, noise_std=config.noise_multiplier * config.clipping_norm / cohort,
             clipping_norm=config.clipping_norm), arrays)
         started = time.perf_counter()
         return metrics

@@ -4,14 +4,26 @@ All models use ``tanh`` (smooth, so higher-order derivatives are non-trivial),
 no BatchNorm or dropout (pure functions of parameters and inputs, usable with
 ``torch.func``), and take inputs shaped as :mod:`fedhog.data` provides them:
 ``[B, *input_shape]``. They return logits ``[B, num_classes]``.
+
+A model can also be the user's own: ``model = "package.module:factory"``
+names a callable that :func:`build_model` calls as
+``factory(input_shape=(...), num_classes=k)`` and that returns an
+``nn.Module`` mapping ``[B, *input_shape]`` float32 inputs to ``[B, k]`` logits
+(cross-entropy; a binary problem has ``k = 2``).
 """
 
+import importlib
 import math
+import os
+import re
+import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 MODELS = ("logreg", "mlp", "cnn1d", "cnn2d")
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MLP_HIDDEN = 64
 CNN1D_CHANNELS = 25  # the MNIST-1D paper's CNN (three stride-2 convolutions)
 CNN2D_CHANNELS = (16, 32)
@@ -72,13 +84,78 @@ class CNN2d(nn.Module):
         return self.head(self.features(x))
 
 
+def is_factory(name: str) -> bool:
+    """Whether ``name`` has the form ``package.module:factory`` (a user's model factory)."""
+    return isinstance(name, str) and _FACTORY.fullmatch(name) is not None
+
+
+def load_factory(name: str) -> Callable[..., nn.Module]:
+    """Import the callable ``package.module:factory``; the working directory is searched too.
+
+    Raises ``ValueError`` naming ``model`` when the module cannot be imported,
+    raises while importing, or lacks the attribute, or when that is not callable.
+    """
+    module_name, _, attribute = name.partition(":")
+    if os.getcwd() not in sys.path:  # console scripts do not search it; `python -m` and notebooks do
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"model: model={name!r} cannot be imported ({error}); the module must be importable by "
+                         f"every process that builds the model: installed, in the working directory "
+                         f"({os.getcwd()}) or in a folder on PYTHONPATH") from None
+    except Exception as error:  # pylint: disable=broad-except  # the user's module failed while importing
+        raise ValueError(f"model: model={name!r}: importing {module_name} raised "
+                         f"{type(error).__name__}: {error}") from None
+    factory: object = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ValueError(f"model: model={name!r}: module {module_name} ({module.__file__}) has no attribute "
+                             f"{attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ValueError(f"model: model={name!r} is a {type(factory).__name__}, not a callable factory")
+    return factory  # type: ignore[return-value]
+
+
+def _build_user_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Call the user's factory and check that its model maps a batch to ``num_classes`` logits."""
+    factory = load_factory(name)
+    call = f"{name.partition(':')[2]}(input_shape={shape}, num_classes={num_classes})"
+    try:
+        model = factory(input_shape=shape, num_classes=num_classes)
+    except Exception as error:  # pylint: disable=broad-except  # the user's code: report it by key
+        raise ValueError(f"model: model={name!r} raised {type(error).__name__}: {error} when called as "
+                         f"{call}") from error
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: model={name!r} returned a {type(model).__name__} from {call}; "
+                         "expected a torch.nn.Module")
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(torch.zeros(2, *shape))
+    except Exception as error:  # pylint: disable=broad-except
+        raise ValueError(f"model: model={name!r} fails on a batch of shape {(2, *shape)}: "
+                         f"{type(error).__name__}: {error}") from error
+    finally:
+        model.train(training)
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (2, num_classes):
+        found = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"model: model={name!r} maps a batch of shape {(2, *shape)} to {found}; expected "
+                         f"{(2, num_classes)}: one logit per class, num_classes={num_classes} (cross-entropy; a "
+                         "binary label needs 2 outputs)")
+    return model
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Build a freshly initialised model (initialisation uses torch's global RNG).
 
     Parameters
     ----------
     name : str
-        One of ``MODELS``: ``logreg`` (linear), ``mlp`` (two tanh hidden layers of
+        ``package.module:factory`` (the user's own, see the module docstring) or
+        one of ``MODELS``: ``logreg`` (linear), ``mlp`` (two tanh hidden layers of
         ``MLP_HIDDEN``), ``cnn1d`` (``input_shape`` ``(L,)`` or ``(C, L)``) or
         ``cnn2d`` (``input_shape`` ``(H, W)`` or ``(C, H, W)``). ``logreg`` and
         ``mlp`` flatten any ``input_shape``.
@@ -96,10 +173,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     ------
     ValueError
         For an unknown ``name``, an ``input_shape`` the model cannot take, or
-        ``num_classes < 1``.
+        ``num_classes < 1``; for a factory that cannot be imported, raises, or
+        whose model does not return ``[B, num_classes]``.
     """
+    if is_factory(name):
+        return _build_user_model(name, tuple(int(d) for d in input_shape), num_classes)
     if name not in MODELS:
-        raise ValueError(f"model: model={name!r} is not allowed; expected one of {MODELS}")
+        raise ValueError(f"model: model={name!r} is not allowed; expected one of {MODELS} or 'package.module:factory'")
     shape = tuple(int(d) for d in input_shape)
     if not shape or min(shape) < 1:
         raise ValueError(f"model: input_shape={input_shape!r} is not allowed; expected positive sizes")

@@ -214,10 +214,14 @@ class ServerMetrics:
         self.epsilon = make(Gauge, "epsilon", "Privacy budget spent so far, ε at the run's δ (+Inf: no guarantee)")
         self.test_accuracy = make(Gauge, "test_accuracy", "Central test accuracy after the last round")
         self.test_loss = make(Gauge, "test_loss", "Central test loss after the last round")
+        self.test_auroc = make(Gauge, "test_auroc", "Central test AUROC after the last round (metrics with auroc)")
+        self.test_auprc = make(Gauge, "test_auprc", "Central test AUPRC (average precision) after the last round "
+                               "(metrics with auprc)")
         self.train_loss = make(Gauge, "train_loss", "Mean client training loss of the last round")
         for reason in FAILURE_REASONS:
             self._with(self.clients_failed, reason=reason)  # exported as 0 before the first failure
-        for gauge in (self.test_accuracy, self.test_loss, self.train_loss, self.third_order_seconds_max):
+        for gauge in (self.test_accuracy, self.test_loss, self.test_auroc, self.test_auprc, self.train_loss,
+                      self.third_order_seconds_max):
             self._with(gauge).set(math.nan)  # not measured yet (0 would read as a measurement)
 
     def _with(self, metric: Any, **labels: str) -> Any:
@@ -241,7 +245,7 @@ class ServerMetrics:
         record : RoundRecord-like, optional
             Any object with the attributes of :class:`fedhog.strategy.RoundRecord`
             (``round``, ``clients_sampled``, ``clients_accepted``, ``rejections``,
-            ``epsilon``, ``seconds``, ``accuracy``, ``loss``, ``train_loss``,
+            ``epsilon``, ``seconds``, ``accuracy``, ``loss``, ``auroc``, ``auprc``, ``train_loss``,
             ``third_order_seconds_max``, ``third_order_failures``); missing ones
             are skipped. Keyword ``fields`` of the same names override it, so
             ``observe_round(round=3, clients_sampled=10, ...)`` works without one.
@@ -255,8 +259,8 @@ class ServerMetrics:
         """
         values = {name: getattr(record, name) for name in (
             "round", "clients_sampled", "clients_accepted", "clients_rejected", "rejections", "epsilon",
-            "seconds", "accuracy", "loss", "train_loss", "third_order_seconds_max", "third_order_failures",
-            "bytes_received") if record is not None and hasattr(record, name)}
+            "seconds", "accuracy", "loss", "auroc", "auprc", "train_loss", "third_order_seconds_max",
+            "third_order_failures", "bytes_received") if record is not None and hasattr(record, name)}
         values.update(fields)
         if bytes_received is not None:
             values["bytes_received"] = bytes_received
@@ -313,8 +317,8 @@ class ServerMetrics:
             self._with(self.client_peak_memory, source=source).set(peak)
 
         # privacy and quality: gauges hold the latest value; NaN (not measured) leaves them as they were
-        for gauge, name in ((self.epsilon, "epsilon"), (self.test_accuracy, "accuracy"),
-                            (self.test_loss, "loss"), (self.train_loss, "train_loss")):
+        for gauge, name in ((self.epsilon, "epsilon"), (self.test_accuracy, "accuracy"), (self.test_loss, "loss"),
+                            (self.test_auroc, "auroc"), (self.test_auprc, "auprc"), (self.train_loss, "train_loss")):
             value = _number(values.get(name))
             if value is not None:
                 self._with(gauge).set(value)

@@ -15,7 +15,7 @@ console = Console(stderr=True, soft_wrap=True)  # messages stay one line each: t
 
 
 def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
-    """Show round, accuracy and ε from ``metrics.json`` while ``running()``."""
+    """Show round, accuracy (AUROC, AUPRC when measured) and ε from ``metrics.json`` while ``running()``."""
     columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -25,11 +25,17 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
             document = read_metrics_file(directory / "metrics.json")
             if document and document.get("rounds"):
                 last = document["rounds"][-1]
-                progress.update(task, completed=last.get("round", 0), status=f"accuracy "
-                                f"{format_value(last.get('accuracy'))}  ε {format_value(last.get('epsilon'))}")
+                progress.update(task, completed=last.get("round", 0), status=round_status(last))
             if not alive:
                 break
             time.sleep(0.5)
+
+
+def round_status(record: dict) -> str:
+    """``accuracy 0.912  AUPRC 0.433  ε 1.2`` for one round of ``metrics.json`` (AUROC/AUPRC when measured)."""
+    ranking = "".join(f"  {name.upper()} {format_value(record[name])}" for name in ("auroc", "auprc")
+                      if record.get(name) is not None)
+    return f"accuracy {format_value(record.get('accuracy'))}{ranking}  ε {format_value(record.get('epsilon'))}"
 
 
 def read_metrics_file(path: Path) -> dict | None:

@@ -26,7 +26,7 @@ from .results import ResultsWriter, client_error_summary, default_results_dir
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
 from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
-from .training import evaluate
+from .training import evaluate_metrics
 
 app = ServerApp()
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
@@ -93,6 +93,7 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
         log(INFO, "noise-multiplier σ=%.6g calibrated to target-epsilon=%g (δ=%g, %d rounds)",
             config.noise_multiplier, config.target_epsilon, config.delta, config.rounds)
     input_shape, num_classes = dataset_info(config.data_spec)
+    config.check_metrics(num_classes)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape, num_classes)
     test_set = load_test_set(config.data_spec)
@@ -100,10 +101,10 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = evaluate(model, test_set)
-        metrics = {"loss": loss, "accuracy": accuracy}
+        metrics = evaluate_metrics(model, test_set, config.test_metrics)
         if len(validation_set):
-            metrics["validation-loss"], metrics["validation-accuracy"] = evaluate(model, validation_set)
+            held = evaluate_metrics(model, validation_set)
+            metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
         return MetricRecord(metrics)
 
     initial = ArrayRecord(model.state_dict())
@@ -113,7 +114,7 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
             writer.update(metrics_url=f"http://127.0.0.1:{port}/metrics")
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         baseline = evaluate_fn(0, initial)
-        writer.update(initial={"accuracy": baseline["accuracy"], "loss": baseline["loss"]})
+        writer.update(initial=dict(baseline))
         if config.aggregator == "flower-dp":
             arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn)
         else:
@@ -135,8 +136,8 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
             "rounds_completed": len(rounds),
             "rounds_planned": config.rounds,
             "stopped_by_budget": len(rounds) < config.rounds,
-            "final_accuracy": final.get("accuracy", baseline["accuracy"]),
-            "initial_accuracy": baseline["accuracy"],
+            **{f"{edge}_{name}": value for name in config.test_metrics
+               for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
             "epsilon": epsilon,
             "delta": config.delta,
         },

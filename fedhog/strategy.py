@@ -77,6 +77,8 @@ class RoundRecord:
     loss: float = math.nan
     validation_accuracy: float = math.nan  # on the server's validation set (server-validation-fraction > 0)
     validation_loss: float = math.nan
+    auroc: float = math.nan  # with metrics = "...auroc": test AUROC (binary labels), else NaN (null in metrics.json)
+    auprc: float = math.nan  # with metrics = "...auprc": test average precision (binary labels)
     train_loss: float = math.nan
     mean_norm_before_clip: float = math.nan
     fraction_clipped: float = math.nan
@@ -495,6 +497,7 @@ class SecureAggregator(Strategy):
                 if "validation-accuracy" in metrics:
                     record.validation_accuracy = float(metrics["validation-accuracy"])
                     record.validation_loss = float(metrics["validation-loss"])
+                record.auroc, record.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
             record.seconds = time.perf_counter() - started
             log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
                 server_round, record.accuracy, record.epsilon, record.clients_sampled,

@@ -114,6 +114,43 @@ def evaluate(model: nn.Module, data: ArrayData, batch_size: int = 2048) -> tuple
     return total_loss / len(data), correct / len(data)
 
 
+@torch.no_grad()
+def evaluate_metrics(model: nn.Module, data: ArrayData, names: tuple[str, ...] = ("accuracy",),
+                     batch_size: int = 2048) -> dict[str, float]:
+    """``loss``, ``accuracy`` and the binary ranking metrics ``names`` asks for (``auroc``, ``auprc``).
+
+    The score of an example is the softmax probability of class 1 (the larger
+    of two sorted label values); AUROC is scikit-learn's ``roc_auc_score``,
+    AUPRC its ``average_precision_score`` (the step-wise area, no interpolation).
+    Both are NaN when ``data`` holds one class only.
+    """
+    ranking = [name for name in names if name in ("auroc", "auprc")]
+    if len(data) == 0:
+        return {"loss": float("nan"), "accuracy": float("nan"), **{name: float("nan") for name in ranking}}
+    device = next(model.parameters()).device
+    model.eval()
+    total_loss, correct, scores = 0.0, 0, []
+    for start in range(0, len(data), batch_size):
+        x, y = as_tensors(ArrayData(data.x[start:start + batch_size], data.y[start:start + batch_size]), device)
+        logits = model(x)
+        total_loss += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(dim=1) == y).sum())
+        if ranking:
+            if logits.shape[1] != 2:
+                raise ValueError(f"metrics={','.join(names)!r}: {', '.join(ranking)} need a binary label; "
+                                 f"the model has {logits.shape[1]} classes")
+            scores.append(torch.softmax(logits.double(), dim=1)[:, 1].cpu().numpy())
+    metrics = {"loss": total_loss / len(data), "accuracy": correct / len(data)}
+    if ranking:
+        from sklearn.metrics import average_precision_score, roc_auc_score
+
+        score = np.concatenate(scores)
+        both = len(np.unique(data.y)) == 2
+        functions = {"auroc": roc_auc_score, "auprc": average_precision_score}
+        metrics.update({name: float(functions[name](data.y, score)) if both else float("nan") for name in ranking})
+    return metrics
+
+
 def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """A direction uniform on the unit sphere of the parameter space, from ``seed``."""
     generator = torch.Generator().manual_seed(seed)

@@ -7,8 +7,11 @@ and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
 instead of one message per client. Sampling, validation of the results, the
 mechanism, accounting, results folder, checkpoints and metrics are the
 strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
-``hog-step`` optimizer, Flower's DP baseline) runs client by client, as on
-``--engine inprocess``, and the run says so.
+``hog-step`` optimizer, Flower's DP baseline, a user's model with buffers)
+runs client by client, as on ``--engine inprocess``, and the run says so. A
+user's model must also be a function ``torch.func.vmap`` can batch: no
+data-dependent Python control flow, no ``.item()``, no in-place updates of
+its inputs; one that is not fails in the first round, naming vmap's reason.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from flwr.common import log
 from flwr.serverapp import ServerApp
 
 from . import protocol
-from .cohort import CohortTrainer, HogSettings
+from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
 from .config import RunConfig
 from .data import dataset_info, population_training_data
 from .engine import InProcessGrid
-from .models import build_model
+from .models import build_model, is_factory
 from .monitoring import measure_peak_memory
 from .strategy import ClientResult
 from .training import direction_seed, select_device
@@ -40,6 +43,9 @@ def unbatchable_reason(config: RunConfig) -> str | None:
         return "optimizer='hog-step' sizes each client's steps from its own derivatives"
     if config.aggregator == "flower-dp":
         return "aggregator='flower-dp' is Flower's own strategy, which sends one message per client"
+    if is_factory(config.model):  # a user's model: batchable when it is a pure function of parameters and inputs
+        reason = unbatchable_model_reason(build_model(config.model, *dataset_info(config.data_spec)))
+        return None if reason is None else f"model={config.model!r}: {reason}"
     return None
 
 
@@ -61,6 +67,8 @@ class VectorizedGrid(InProcessGrid):
         """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
         config = self.config
         nodes = list(cohort)
+        if not nodes:  # Poisson sampling can draw nobody: the round releases the noise alone
+            return []
         partitions = [self.partition_of_node[node] for node in nodes]
         seeds = [direction_seed(config.seed, server_round, p) for p in partitions]
         with measure_peak_memory(self.device) as peak:

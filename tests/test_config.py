@@ -170,9 +170,12 @@ def test_overrides_from_the_command_line_reach_the_config():
     assert config.max_epsilon == math.inf
 
 
+TINY_CSV = Path(__file__).resolve().parent / "data" / "tiny.csv"
 NON_DEFAULT = {
-    "dataset": "digits", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
-    "classes-per-client": 3, "validation-fraction": 0.0, "server-validation-fraction": 0.1, "proxy-fraction": 0.05, "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp",
+    "dataset": f"csv:{TINY_CSV}", "label-column": "label", "feature-columns": "x1,x2", "client-column": "branch",
+    "metrics": "auprc,accuracy", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
+    "classes-per-client": 3, "validation-fraction": 0.0, "server-validation-fraction": 0.1, "proxy-fraction": 0.05,
+    "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp",
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75, "round-timeout": 45.0, "max-update-norm": 1e3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,

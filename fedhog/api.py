@@ -1,0 +1,120 @@
+"""fedhog from Python: ``fedhog.run(config, **overrides)``; the checks that make a user's data and model fail early."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import BINARY_METRICS, ConfigError, RunConfig, check_device, load_config
+from .data import dataset_info, tabular_source
+from .models import build_model, is_factory
+from .results import claim_results_dir, default_results_dir, read_run_document, record_launch
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: its results folder and its ``metrics.json``."""
+
+    directory: Path
+    document: dict[str, Any]
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        """One entry per round: ``accuracy``, ``auroc``, ``auprc`` (null when not measured), ``epsilon``, ..."""
+        return self.document["rounds"]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """``final_<metric>`` and ``initial_<metric>`` of each of the run's ``metrics``, ``epsilon``, ``delta``, ..."""
+        return self.document["summary"]
+
+
+class RunFailed(RuntimeError):
+    """A run that started and did not finish; ``directory`` keeps what was done."""
+
+    def __init__(self, message: str, directory: Path) -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
+def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, engine: str = "vectorized",
+        overwrite: bool = False, **overrides: Any) -> RunResult:
+    """Run one federated training, as ``fedhog run`` does, and return its results.
+
+    Parameters
+    ----------
+    config : path, mapping, RunConfig or None
+        A run-config TOML file, a mapping of config keys, a :class:`RunConfig`, or None for the defaults.
+    engine : str
+        ``vectorized`` (default; client by client where the run cannot be batched), ``inprocess``
+        or ``simulation`` (Flower's Simulation Engine, see ``fedhog run --engine``).
+    overwrite : bool
+        Replace a run already in ``results-dir`` instead of refusing.
+    **overrides
+        Config keys, snake_case (``noise_multiplier=0.8``) or kebab-case (``**{"noise-multiplier": 0.8}``).
+
+    Returns
+    -------
+    RunResult
+        The results folder (a new ``results/<timestamp>`` when ``results-dir`` is empty) and its ``metrics.json``.
+
+    Raises
+    ------
+    ConfigError
+        Before anything runs: a bad key or value, a table or model factory that cannot be used.
+    RunFailed
+        The run started and failed; its folder says how far it got.
+    """
+    from .cli import ENGINES  # the engines' heavy imports happen when one runs
+
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not allowed; expected one of {', '.join(ENGINES)}")
+    if isinstance(config, RunConfig):  # σ is calibrated from target-epsilon at the start: give one of the two
+        config = {k: v for k, v in config.to_mapping().items()
+                  if not (k == "noise-multiplier" and config.target_epsilon > 0)}
+    values = None if config is None or isinstance(config, (str, Path)) else _kebab(config)
+    resolved = load_config(values if values is not None else config, _kebab(overrides))
+    check_device(resolved.device)
+    check_inputs(resolved)
+    directory = claim_results_dir(Path(resolved.results_dir) if resolved.results_dir else default_results_dir(),
+                                  overwrite)
+    resolved = resolved.with_overrides({"results-dir": str(directory)})
+    record_launch(directory, {"command": "run", "engine": engine, "client_cpus": 1}, resolved)
+    try:
+        ENGINES[engine].run(resolved, 1)
+    except ConfigError:
+        raise
+    except Exception as error:  # the ServerApp wrote the failure into metrics.json too
+        raise RunFailed(f"{type(error).__name__}: {error} (what was done is in {directory})", directory) from error
+    document = read_run_document(directory) or {}
+    if document.get("status") != "finished":
+        raise RunFailed(f"the run did not finish: {document.get('error', 'no metrics.json')} "
+                        f"(what was done is in {directory})", directory)
+    return RunResult(directory, document)
+
+
+def check_inputs(config: RunConfig) -> None:
+    """Load a table, build a user's model and check the metrics now, so bad input fails before any engine starts.
+
+    Raises :class:`ConfigError` naming the key (``dataset``, ``label-column``,
+    ``model``, ``metrics``, ...). Built-in datasets and models are not loaded.
+    """
+    ranking = any(name in BINARY_METRICS for name in config.test_metrics)
+    if tabular_source(config.dataset) is None and not is_factory(config.model) and not ranking:
+        return
+    try:
+        input_shape, num_classes = dataset_info(config.data_spec)
+        config.check_metrics(num_classes)
+        if is_factory(config.model):
+            build_model(config.model, input_shape, num_classes)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _kebab(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Config keys as the config files spell them: ``noise_multiplier`` -> ``noise-multiplier``."""
+    return {key.replace("_", "-"): value for key, value in values.items()}
