@@ -428,3 +428,54 @@ def test_bad_tuning_tables_name_the_key(tmp_path, change, match):
         text = text.replace("[tune.variants.hog]\nmixing-strength = [0.25, 1.0]\n", "")
     with pytest.raises(SweepError, match=match):
         load_sweep(_write(tmp_path, text))
+
+
+def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch):
+    """A sweep with metrics = "auprc,...": summary.md and the paired tests use each cell's final AUPRC."""
+    import pandas as pd
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    rows = 400
+    x = rng.normal(size=(rows, 3))
+    pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "branch": rng.integers(0, 4, rows),
+                  "y": (x[:, 0] + 0.5 * rng.normal(size=rows) > 1.2).astype(int)}).to_csv(tmp_path / "t.csv", index=False)
+    sweep = load_sweep(_write(tmp_path, f"""
+output = "out"
+paired = [["gaussian", "none"]]
+[base]
+dataset = "csv:{tmp_path / 't.csv'}"
+label-column = "y"
+client-column = "branch"
+population = 4
+sampling-rate = 0.5
+model = "logreg"
+rounds = 2
+learning-rate = 0.5
+metrics = "auprc,accuracy"
+clipping-norm = 5.0
+noise-multiplier = 0.5
+[grid]
+seed = [0, 1]
+[[variants]]
+name = "gaussian"
+mechanism = "gaussian"
+[[variants]]
+name = "none"
+mechanism = "none"
+"""))
+    assert sweep.metric == "auprc"
+    outcome = run_sweep(sweep, show_progress=False)
+    finals = {}
+    for cell in sweep.cells:
+        document = json.loads((cell.directory / "metrics.json").read_text())
+        finals[(cell.variant, cell.config.seed)] = document["rounds"][-1]["auprc"]
+    (comparison,) = outcome.comparisons
+    assert comparison.differences == pytest.approx([finals[("none", s)] - finals[("gaussian", s)] for s in (0, 1)])
+    summary = (sweep.output / "summary.md").read_text()
+    assert "final auprc" in summary
+    gaussian = np.mean([finals[("gaussian", s)] for s in (0, 1)])
+    assert f"{gaussian:.4f}" in summary
+    rows = _read_csv(sweep.output / "results.csv")
+    assert {"auprc", "auroc"} <= set(rows[0]) and rows[0]["round"] == "0" and rows[0]["auprc"] != ""

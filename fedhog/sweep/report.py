@@ -16,14 +16,14 @@ from .stats import PairedComparison, TrialScore, final_rows, group_rows, mean_st
 def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison]) -> str:
     """The Markdown summary: final accuracy per (variant, condition) and the paired comparisons."""
     finals = final_rows(rows)
-    keys = sweep.condition_keys
+    keys, metric = sweep.condition_keys, sweep.metric
     lines = [f"# Sweep `{sweep.path.name}`", "",
-             f"{len(finals)} of {len(sweep.cells)} cells finished. Final accuracy is the test accuracy after "
+             f"{len(finals)} of {len(sweep.cells)} cells finished. Final {metric} is the test {metric} after "
              f"the last round, mean ± sample std over {', '.join(sweep.replicate_keys)} (n finished cells); "
              "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means).", "",
-             *_header(["variant", *keys, "n", "final accuracy", "ε", "σ"])]
+             *_header(["variant", *keys, "n", f"final {metric}", "ε", "σ"])]
     for (variant, *values), group in group_rows(finals, ["variant", *keys]).items():
-        mean, std = mean_std([r["accuracy"] for r in group])
+        mean, std = mean_std([r[metric] for r in group])
         epsilon = float(np.mean([r["epsilon"] for r in group]))
         sigma = float(np.mean([r["sigma"] for r in group]))
         cells = [variant, *(format_grid_value(v) for v in values), str(len(group)), f"{_num(mean)} ± {_num(std)}",
@@ -31,7 +31,7 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
         lines.append(_row(cells))
     if comparisons:
         lines += ["", "## Paired comparisons", "",
-                  f"Difference = final accuracy of B − A, paired on {', '.join(sweep.replicate_keys)}: paired "
+                  f"Difference = final {metric} of B − A, paired on {', '.join(sweep.replicate_keys)}: paired "
                   "cells share the data, partition, initial model and client shuffling, and with a fixed "
                   "privacy-seed the cohorts and noise draws. Two-sided "
                   "paired t-test and Wilcoxon signed-rank test (`scipy.stats.ttest_rel`, `scipy.stats.wilcoxon`), "

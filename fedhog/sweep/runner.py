@@ -274,8 +274,8 @@ def collect_rows(sweep: Sweep) -> list[dict[str, Any]]:
         mapping = cell.config.to_mapping()
         head = {"cell_id": cell.cell_id, "variant": cell.variant, **{k: mapping[k] for k in sweep.column_keys},
                 "sigma": document["privacy"]["noise_multiplier"], "cell_seconds": document["seconds"]}
-        rows.append({**head, "round": 0, "accuracy": document["initial"]["accuracy"],
-                     "loss": document["initial"]["loss"], "epsilon": 0.0})
+        initial = {k: _float(v) for k, v in document["initial"].items()}  # accuracy, loss, auroc, auprc, ...
+        rows.append({**head, "round": 0, **initial, "epsilon": 0.0})
         for record in document["rounds"]:
             metrics = {k: _float(v) for k, v in record.items() if not isinstance(v, dict)}
             rows.append({**head, **metrics})
@@ -304,10 +304,12 @@ def write_reports(sweep: Sweep) -> list[PairedComparison]:
     rows = collect_rows(sweep)
     write_csv(rows, sweep.output / "results.csv")
     in_every_condition = sweep.broadcast(rows)
-    comparisons = paired_comparisons(in_every_condition, sweep.paired, sweep.condition_keys, sweep.replicate_keys)
+    comparisons = paired_comparisons(in_every_condition, sweep.paired, sweep.condition_keys, sweep.replicate_keys,
+                                     sweep.metric)
     (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons))
-    plot_accuracy_vs_round(in_every_condition, sweep.condition_keys, sweep.output / "accuracy_vs_round.png")
-    plot_accuracy_vs_epsilon(rows, sweep.condition_keys, sweep.output / "accuracy_vs_epsilon.png")
+    plot_accuracy_vs_round(in_every_condition, sweep.condition_keys, sweep.output / "accuracy_vs_round.png",
+                           sweep.metric)
+    plot_accuracy_vs_epsilon(rows, sweep.condition_keys, sweep.output / "accuracy_vs_epsilon.png", sweep.metric)
     return comparisons
 
 

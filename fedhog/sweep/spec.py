@@ -114,6 +114,11 @@ class Sweep:
         return replace(self, cells=tuple(cells), choices=choices)
 
     @property
+    def metric(self) -> str:
+        """The test metric the report compares: the first of the cells' ``metrics`` (``accuracy`` by default)."""
+        return self.cells[0].config.metrics.split(",")[0].strip() if self.cells else "accuracy"
+
+    @property
     def replicate_keys(self) -> list[str]:
         """Grid keys that pair cells (``seed``, ``privacy-seed``)."""
         return [key for key in self.grid if key in REPLICATE_KEYS] or ["seed"]
@@ -194,6 +199,10 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
     cells = tuple(expand_cells(base, grid, variants, directory))
     labels = list(dict.fromkeys(cell.variant for cell in cells))
     paired = _paired(document.get("paired", []), labels)
+    compared = {cell.config.metrics.split(",")[0].strip() for cell in cells}
+    if len(compared) > 1:
+        raise SweepError(f"the cells compare different first metrics ({', '.join(sorted(compared))}): set "
+                         "'metrics' in [base], not per variant or grid value")
     tuning = _tuning(document["tune"], base, grid, variants) if "tune" in document else None
     trials = tuple(expand_trials(base, grid, variants, tuning, directory)) if tuning else ()
     return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials)

@@ -16,7 +16,7 @@ DIFFERENCE_DECIMALS = 12  # paired differences of accuracies are rounded to this
 
 @dataclass(frozen=True)
 class PairedComparison:
-    """Final accuracy of variant B minus variant A, paired on the replicate keys, in one condition."""
+    """The final test metric of variant B minus variant A, paired on the replicate keys, in one condition."""
 
     baseline: str
     variant: str
@@ -65,8 +65,9 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str, str]],
-                       condition_keys: Sequence[str], replicate_keys: Sequence[str]) -> list[PairedComparison]:
-    """Final accuracy of B − A per condition, paired on the replicate keys; paired t-test and Wilcoxon.
+                       condition_keys: Sequence[str], replicate_keys: Sequence[str],
+                       metric: str = "accuracy") -> list[PairedComparison]:
+    """The final test ``metric`` of B − A per condition, paired on the replicate keys; paired t-test and Wilcoxon.
 
     Both tests are two-sided (``scipy.stats.ttest_rel``, ``scipy.stats.wilcoxon``) on the
     differences rounded to :data:`DIFFERENCE_DECIMALS` decimals, so that differences equal
@@ -79,7 +80,7 @@ def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str
     comparisons = []
     for baseline, variant in pairs:
         for condition in conditions:
-            a, b = (_accuracy_by_replicate(finals, name, condition, replicate_keys) for name in (baseline, variant))
+            a, b = (_metric_by_replicate(finals, name, condition, replicate_keys, metric) for name in (baseline, variant))
             replicates = tuple(sorted(set(a) & set(b)))
             first, second = np.array([a[r] for r in replicates]), np.array([b[r] for r in replicates])
             differences = np.round(second - first, DIFFERENCE_DECIMALS) + 0.0  # + 0.0: no -0.0
@@ -88,9 +89,9 @@ def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str
     return comparisons
 
 
-def _accuracy_by_replicate(finals: Sequence[dict[str, Any]], variant: str, condition: tuple[tuple[str, Any], ...],
-                           replicate_keys: Sequence[str]) -> dict[tuple[Any, ...], float]:
-    return {tuple(row[k] for k in replicate_keys): row["accuracy"] for row in finals
+def _metric_by_replicate(finals: Sequence[dict[str, Any]], variant: str, condition: tuple[tuple[str, Any], ...],
+                         replicate_keys: Sequence[str], metric: str) -> dict[tuple[Any, ...], float]:
+    return {tuple(row[k] for k in replicate_keys): row[metric] for row in finals
             if row["variant"] == variant and all(row[k] == v for k, v in condition)}
 
 
