@@ -178,7 +178,7 @@ def test_a_run_that_failed_before_its_serverapp_started_can_be_resumed(tmp_path,
 
     monkeypatch.setitem(cli.ENGINES, "simulation", cli.Engine("broken", broken, in_process=False))
     run = tmp_path / "run"
-    assert cli.main(["run", *_sets(*TINY, f'results-dir="{run}"')]) == 1
+    assert cli.main(["run", "--engine", "simulation", *_sets(*TINY, f'results-dir="{run}"')]) == 1
     assert cli.main(["run", "--resume", str(run)]) == 1  # the stored engine: still the broken one
     assert cli.main(["run", "--resume", str(run), "--engine", "inprocess"]) == 2  # and no other
     finishes = cli.ENGINES["inprocess"].run  # the fake that writes a finished run
@@ -231,7 +231,7 @@ def test_the_packaged_quickstart_is_the_default_config(tmp_path, engines, monkey
     monkeypatch.chdir(tmp_path)  # no configs/ here
     assert cli.main(["run", "--set", "rounds=1"]) == 0
     ((_, config, _),) = engines
-    assert (config.population, config.learning_rate, config.sampling_rate) == (1000, 0.2, 0.05)
+    assert (config.population, config.target_epsilon, config.sampling_rate) == (5000, 3.0, 0.1)
     assert Path(config.results_dir).parent == tmp_path / "results"
 
 

@@ -72,7 +72,7 @@ def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_
     (results,) = (elsewhere / "results").iterdir()
     metrics = json.loads((results / "metrics.json").read_text())
     assert metrics["status"] == "finished" and len(metrics["rounds"]) == 2
-    assert metrics["config"]["learning-rate"] == 0.2  # the quickstart's, not the default 0.05
+    assert metrics["config"]["server-optimizer"] == "momentum"  # the quickstart's, not the default "sgd"
     assert metrics["launch"] == {"command": "run", "engine": "simulation", "client_cpus": 1}
     assert tagged(tag) == {}  # SuperLink, SuperExec, flwr-simulation, Ray: all stopped
     assert not (home / ".flwr").exists()  # fedhog's FLWR_HOME was private
