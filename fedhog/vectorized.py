@@ -7,7 +7,7 @@ and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
 instead of one message per client. Sampling, validation of the results, the
 mechanism, accounting, results folder, checkpoints and metrics are the
 strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
-``hog-step`` optimizer, Flower's DP baseline) runs client by client, as on
+``hog-step`` optimizer, Flower's DP baseline, secure aggregation) runs client by client, as on
 ``--engine inprocess``, and the run says so.
 """
 
@@ -40,6 +40,9 @@ def unbatchable_reason(config: RunConfig) -> str | None:
         return "optimizer='hog-step' sizes each client's steps from its own derivatives"
     if config.aggregator == "flower-dp":
         return "aggregator='flower-dp' is Flower's own strategy, which sends one message per client"
+    if config.secure_aggregation != "off":
+        return (f"secure-aggregation={config.secure_aggregation!r} runs the protocol's stages with every client, "
+                "each masking its own contribution")
     return None
 
 
