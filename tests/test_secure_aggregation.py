@@ -6,6 +6,7 @@ against exact integer sums, and against the trusted mode's release.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -22,7 +23,7 @@ from fedhog.config import ConfigError, RunConfig
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
 from fedhog.privacy.randomness import SeededBits
-from fedhog.secure_aggregation.client import handle_stage
+from fedhog.secure_aggregation.client import SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
 from fedhog.server_app import app as server_app
@@ -166,13 +167,16 @@ def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
     assert len(failure.value.dropped) == 3
 
 
-def _run(tmp_path, name: str, grid_kwargs: dict | None = None, **overrides) -> tuple[dict, dict]:
+def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | None = None,
+         **overrides) -> tuple[dict, dict]:
     settings = {"dataset": "digits", "model": "logreg", "population": 8, "sampling": "fixed",
                 "sampling-rate": 0.75, "rounds": 1, "local-epochs": 1, "learning-rate": 0.1,
                 "clipping-norm": 0.5, "noise-multiplier": 0.0, "mechanism": "hog", "privacy-seed": 7,
                 "partitioner": "iid", "results-dir": str(tmp_path / name), **overrides}
     config = RunConfig().with_overrides(settings)
     grid = DroppingGrid(fedhog_client_app, config.population, config.to_mapping(), **(grid_kwargs or {}))
+    if grids is not None:
+        grids.append(grid)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
     server_app(grid, context)
     metrics = json.loads((tmp_path / name / "metrics.json").read_text())
@@ -246,3 +250,21 @@ def test_small_cohort_delta_is_the_probability_that_poisson_sampling_leaves_fewe
     q, n = 0.2, 40
     one_round = (1 - q) ** (n - 1) + (n - 1) * q * (1 - q) ** (n - 2)
     assert small_cohort_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
+
+
+def test_no_secret_of_the_protocol_reaches_the_results_folder_or_the_log(tmp_path, caplog):
+    """The clients' private keys, self-mask seeds and pairwise keys stay in their contexts' memory."""
+    caplog.set_level("DEBUG")
+    grids: list = []
+    metrics, _ = _run(tmp_path, "secrets", grids=grids, **{"secure-aggregation": "secagg+", "privacy-seed": -1,
+                                                         "noise-multiplier": 1.0})
+    assert metrics["status"] == "finished" and metrics["rounds"][0]["clients_accepted"] == 6
+    states = [SecAggPlusState(**c.state.config_records[RECORD_KEY_STATE]) for c in grids[0].contexts.values()
+              if RECORD_KEY_STATE in c.state.config_records]
+    secrets_held = [secret for state in states for secret in (state.sk1, state.sk2, state.rd_seed,
+                                                               *state.ss2_dict.values())]
+    assert len(states) == 6 and all(secrets_held)
+    haystacks = [p.read_bytes() for p in (tmp_path / "secrets").rglob("*") if p.is_file()] + [caplog.text.encode()]
+    for secret in secrets_held:
+        for needle in (secret, secret.hex().encode(), base64.b64encode(secret), secret[-16:]):
+            assert not any(needle in hay for hay in haystacks)

@@ -170,7 +170,7 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
             raise SecureAggregationFailed(
                 f"unmask: {len(shares[owner])} shares of node {owner}'s secret arrived, {state.threshold} are "
                 f"needed ({len(state.dropped)} of {n} nodes dropped out); nothing was unmasked", state.dropped)
-        secret = combine_shares(shares[owner])
+        secret = combine_shares(shares[owner][:state.threshold])  # any t shares determine it
         if owner in active:  # its self mask
             total -= mask(secret, dimension, bits)
             continue
