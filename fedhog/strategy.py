@@ -183,6 +183,9 @@ class SecureAggregator(Strategy):
         log(INFO, "\t├──> %r", self)
         if self.adaptive_clipping is not None:
             log(INFO, "\t├──> %r (the sum gets σ_Δ·C, the accountant composes σ)", self.adaptive_clipping)
+        if self.secure_aggregation is not None:
+            log(INFO, "\t├──> SecAgg+: clients clip, quantise mod 2^%d and mask; the server unmasks only the sum",
+                self.secure_aggregation.modulus_bits)
         if self.accountant.has_guarantee:
             event = self.accountant.event
             log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
