@@ -70,7 +70,7 @@ def train(msg: Message, context: Context) -> Message:
     partition_id = int(context.node_config["partition-id"])
     server_round = int(msg.content["config"][protocol.SERVER_ROUND])
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
-        model, train_data, global_state = _load(msg, config, partition_id)
+        model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
@@ -99,26 +99,21 @@ class LocalWork:
     metrics: dict[str, float | int]
 
 
-def _load(msg: Message, config: RunConfig, partition_id: int) -> tuple[torch.nn.Module, ArrayData, dict]:
-    """The model at the global state, this client's training data, and the global state on the device."""
+def _load(msg: Message, config: RunConfig,
+          partition_id: int) -> tuple[torch.nn.Module, ArrayData, ArrayData, dict[str, torch.Tensor]]:
+    """The model at the global state, this client's training and validation data, the global state on the device."""
     device = select_device(config.device)
-    train_data, _ = load_client_data(config.data_spec, partition_id)
+    train_data, validation_data = load_client_data(config.data_spec, partition_id)
     model = build_model(config.model, *dataset_info(config.data_spec)).to(device)
     global_state = msg.content["arrays"].to_torch_state_dict()
     model.load_state_dict(global_state)
-    return model, train_data, {k: v.to(device) for k, v in global_state.items()}
+    return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
 
 
 def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round: int, with_term: bool) -> LocalWork:
     """Local training from the global model and, ``with_term``, the third-order term."""
     seed = direction_seed(config.seed, server_round, partition_id)
-    device = select_device(config.device)
-    train_data, validation_data = load_client_data(config.data_spec, partition_id)
-    input_shape, num_classes = dataset_info(config.data_spec)
-    model = build_model(config.model, input_shape, num_classes).to(device)
-    global_state = msg.content["arrays"].to_torch_state_dict()
-    model.load_state_dict(global_state)
-    global_state = {k: v.to(device) for k, v in global_state.items()}
+    model, train_data, validation_data, global_state = _load(msg, config, partition_id)
     local = train_locally(model, train_data, config.local_epochs, config.batch_size,
                           config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
@@ -133,7 +128,7 @@ def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round
     term = None
     if with_term:
         model.load_state_dict(global_state)
-        with measure_peak_memory(device) as peak:
+        with measure_peak_memory(next(model.parameters()).device) as peak:
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
         metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
         term = term if finite else None
