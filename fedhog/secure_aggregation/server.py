@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
@@ -80,7 +83,7 @@ class SecAggSettings:
 class SecureSum:
     """What a SecAgg+ round gave the server: the sum of the survivors' integers, and who dropped out."""
 
-    levels: object  # torch int64 [d], Σ q_i over ``contributors``
+    levels: torch.Tensor  # int64 [d], Σ q_i over ``contributors``
     lattice: ModularLattice
     contributors: int
     dropped: dict[str, str] = field(default_factory=dict)  # "node <id>" -> why (a client error, or no reply)
@@ -210,7 +213,7 @@ def _ring(nodes: list[int], k: int) -> dict[int, set[int]]:
 
 
 def _exchange(grid: Grid, state: _Round, contents: dict[int, RecordDict], timeout: float, group_id: str,
-              read=None) -> dict:
+              read: Callable[[Message], Any] | None = None) -> dict[int, Any]:
     """Send each node its content; return node -> its reply's config record (or ``read(reply)``), noting dropouts."""
     messages = [Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=group_id)
                 for node, content in contents.items()]
