@@ -7,6 +7,7 @@ Thin by design: the work is in :mod:`fedhog.training` and
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -22,7 +23,10 @@ from .derivatives import third_order_vector
 from .dpsgd import RecordPrivacy, train_dpsgd
 from .models import build_model
 from .monitoring import measure_peak_memory
-from .privacy.randomness import client_bits
+from .privacy.mechanism import constrain_sensitivity
+from .privacy.randomness import PrivacyRandomness, client_bits, standard_normal
+from .secure_aggregation.client import handle_stage, is_secaggplus
+from .secure_aggregation.quantization import ModularLattice
 from .training import (
     control_term_seed,
     direction_seed,
@@ -59,34 +63,60 @@ def identify(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train locally from the global model; reply with Δ, t and metrics."""
+    """Train locally from the global model; reply with Δ, t and metrics (or run a SecAgg+ stage)."""
+    if is_secaggplus(msg):
+        return handle_stage(msg, context, lambda cohort, bits: secure_contribution(msg, context, cohort, bits))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
     server_round = int(msg.content["config"][protocol.SERVER_ROUND])
-    seed = direction_seed(config.seed, server_round, partition_id)
-    device = select_device(config.device)
-    train_data, validation_data = load_client_data(config.data_spec, partition_id)
-
-    input_shape, num_classes = dataset_info(config.data_spec)
-    model = build_model(config.model, input_shape, num_classes).to(device)
-    global_state = msg.content["arrays"].to_torch_state_dict()
-    model.load_state_dict(global_state)
-    global_state = {k: v.to(device) for k, v in global_state.items()}
-
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
+        model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
             protocol.UPDATE: ArrayRecord(_to_cpu(update)),
             protocol.METRICS: MetricRecord({protocol.PARTITION_ID: partition_id, "dpsgd-epsilon": privacy.epsilon}),
         }), reply_to=msg)
+    if config.aggregator == "flower-dp":
+        work = _local_work(msg, config, partition_id, server_round, with_term=False)
+        return _reply_to_flower_dp(msg, work.global_state, work.update, config.server_learning_rate,
+                                   work.metrics["train-loss"])
+    work = _local_work(msg, config, partition_id, server_round, with_term=config.mechanism == "hog")
+    records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(work.update))})
+    if work.term is not None:
+        records[protocol.TERM] = ArrayRecord(_to_cpu(term_keyed_like(work.term, work.update)))
+    records[protocol.METRICS] = MetricRecord(work.metrics)
+    return Message(records, reply_to=msg)
+
+
+@dataclass
+class LocalWork:
+    """A client's round: its update Δ, its third-order term t (None: not asked for, or not finite), metrics."""
+
+    global_state: dict[str, torch.Tensor]
+    update: dict[str, torch.Tensor]
+    term: dict[str, torch.Tensor] | None
+    metrics: dict[str, float | int]
+
+
+def _load(msg: Message, config: RunConfig,
+          partition_id: int) -> tuple[torch.nn.Module, ArrayData, ArrayData, dict[str, torch.Tensor]]:
+    """The model at the global state, this client's training and validation data, the global state on the device."""
+    device = select_device(config.device)
+    train_data, validation_data = load_client_data(config.data_spec, partition_id)
+    model = build_model(config.model, *dataset_info(config.data_spec)).to(device)
+    global_state = msg.content["arrays"].to_torch_state_dict()
+    model.load_state_dict(global_state)
+    return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
+
+
+def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round: int, with_term: bool) -> LocalWork:
+    """Local training from the global model and, ``with_term``, the third-order term."""
+    seed = direction_seed(config.seed, server_round, partition_id)
+    model, train_data, validation_data, global_state = _load(msg, config, partition_id)
     local = train_locally(model, train_data, config.local_epochs, config.batch_size,
                           config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
-    if config.aggregator == "flower-dp":
-        return _reply_to_flower_dp(msg, global_state, update, config.server_learning_rate, local.mean_loss)
-
-    records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(update))})
     metrics: dict[str, float | int] = {
         protocol.PARTITION_ID: partition_id,
         protocol.NUM_EXAMPLES: len(train_data),
@@ -95,15 +125,50 @@ def train(msg: Message, context: Context) -> Message:
         "hog-step-cubic-steps": local.cubic_steps,
         "validation-accuracy": _finite_or(evaluate(model, validation_data)[1], -1.0),
     }
-    if config.mechanism == "hog":
+    term = None
+    if with_term:
         model.load_state_dict(global_state)
-        with measure_peak_memory(device) as peak:
+        with measure_peak_memory(next(model.parameters()).device) as peak:
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
         metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
-        if finite:
-            records[protocol.TERM] = ArrayRecord(_to_cpu(term_keyed_like(term, update)))
-    records[protocol.METRICS] = MetricRecord(metrics)
-    return Message(records, reply_to=msg)
+        term = term if finite else None
+    return LocalWork(global_state, update, term, metrics)
+
+
+def secure_contribution(msg: Message, context: Context, cohort: int, modulus_bits: int) -> np.ndarray:
+    """This client's share of the sum under SecAgg+: Δ_i mixed with its own ξ_i, clipped to C, quantised mod 2^bits.
+
+    The same per-contribution step as the trusted server's
+    (:func:`~fedhog.privacy.mechanism.constrain_sensitivity`) on this one row.
+    ξ_i and the stochastic rounding come from the client's own stream: OS
+    entropy, or with a fixed ``privacy-seed`` the ξ the trusted server would
+    draw for this client's slot (so both modes run the same experiment).
+    Nothing of the contribution leaves the client unmasked; a failed term
+    raises, which the server sees as a dropout.
+    """
+    config = run_config_of(context)
+    partition_id = int(context.node_config["partition-id"])
+    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
+    hog = config.mechanism == "hog"
+    work = _local_work(msg, config, partition_id, server_round, with_term=hog)
+    keys = list(msg.content["arrays"].keys())
+    update = torch.cat([work.update[k].detach().cpu().reshape(-1) for k in keys])
+    if not bool(torch.isfinite(update).all()):
+        raise ValueError("non-finite values: the update holds NaN or inf")
+    terms, xi = None, 0.0
+    seed = None if config.privacy_seed < 0 else config.privacy_seed
+    bits = client_bits(seed, server_round, partition_id, stream=1)
+    if hog:
+        if work.term is None:
+            raise ValueError("non-finite third-order term: the client cannot contribute this round")
+        keyed = term_keyed_like(work.term, work.update)
+        terms = torch.cat([keyed[k].detach().cpu().reshape(-1) for k in keys])[None]
+        xi = float(standard_normal(bits, 1)[0] if seed is None else
+                   standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing, config.population)[partition_id])
+    rows, _ = constrain_sensitivity(update[None], terms, torch.tensor([xi], dtype=torch.float64),
+                                    config.mechanism_settings)
+    lattice = ModularLattice.for_cohort(config.clipping_norm, cohort, modulus_bits)
+    return lattice.encode(lattice.stochastic_round(rows[0], bits))
 
 
 def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig, msg: Message,

@@ -25,6 +25,7 @@ from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
+from .secure_aggregation.quantization import MAX_MODULUS_BITS, MIN_MODULUS_BITS
 from .server_optimizer import SERVER_OPTIMIZERS, ServerOptimizerSettings
 from .server_step import SERVER_STEPS, ServerStepSettings
 from .training import OPTIMIZERS
@@ -32,6 +33,7 @@ from .training import OPTIMIZERS
 HOG_DIRECTIONS = ("random", "update")
 HOG_TERMS = ("third-order", "random")
 CLIENT_DP = ("none", "dpsgd")
+SECURE_AGGREGATION = ("off", "secagg+")
 AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY_LEVEL_KEYS = ("noise-multiplier", "target-epsilon")  # σ, or the ε to calibrate σ for: one of them
@@ -105,6 +107,10 @@ class RunConfig:
     dpsgd_delta: float = 1e-5
     dpsgd_accountant: str = "prv"
     dpsgd_noise: str = "fedhog"
+    secure_aggregation: str = "off"
+    secagg_num_shares: int = 0
+    secagg_threshold: float = 0.66
+    secagg_modulus_bits: int = 32
     # reproducibility and output
     seed: int = 0
     privacy_seed: int = -1
@@ -290,6 +296,9 @@ class RunConfig:
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
         if self.aggregator == "flower-dp":
             self._validate_flower_dp()
+        _choice("secure-aggregation", self.secure_aggregation, SECURE_AGGREGATION)
+        if self.secure_aggregation != "off":
+            self._validate_secure_aggregation()
 
     def check_metrics(self, num_classes: int) -> None:
         """AUROC and AUPRC rank the examples of a binary label: refuse them for more classes."""
@@ -337,6 +346,34 @@ class RunConfig:
         if self.noise_multiplier == 0 and self.target_epsilon == 0:
             raise ConfigError("aggregator='flower-dp' needs noise-multiplier > 0 or a target-epsilon "
                               "(Flower's accountant refuses σ = 0)")
+
+    def _validate_secure_aggregation(self) -> None:
+        """Under SecAgg+ the server sees only the sum: what needs individual replies is refused."""
+        required = {"aggregator": ("fedhog", "Flower's DP baseline receives every update"),
+                    "client-dp": ("none", "DP-SGD clients are not wired to the secure stages yet"),
+                    "adaptive-clipping": (False, "it needs every contribution's norm (a secure count is not built)"),
+                    "max-update-norm": (math.inf, "the server cannot see a contribution's norm; clients clip to "
+                                        "clipping-norm and the modulus bounds what any reply can do")}
+        for key, (allowed, why) in required.items():
+            if self._get(key) != allowed:
+                raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs {key}="
+                                  f"{toml_value(allowed)}, got {key}={toml_value(self._get(key))}: {why}")
+        if self.mechanism == "none":
+            raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs mechanism 'gaussian' "
+                              "or 'hog': clients must clip to clipping-norm before quantising (mechanism='none' "
+                              "sends unbounded, example-weighted updates)")
+        _check("secagg-num-shares", self.secagg_num_shares, self.secagg_num_shares == 0 or self.secagg_num_shares >= 3,
+               "0 (the whole cohort) or an integer ≥ 3")
+        _check("secagg-threshold", self.secagg_threshold, 0 < self.secagg_threshold <= 1, "a number in (0, 1]")
+        _check("secagg-modulus-bits", self.secagg_modulus_bits,
+               MIN_MODULUS_BITS <= self.secagg_modulus_bits <= MAX_MODULUS_BITS,
+               f"an integer in {MIN_MODULUS_BITS}..{MAX_MODULUS_BITS}")
+        if self.sampling == "fixed" and self.expected_cohort < 2:
+            raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs a cohort of ≥ 2: "
+                              f"sampling-rate × population = {self.expected_cohort} (SecAgg+ cannot hide one client)")
+        largest = self.population if self.sampling == "poisson" else self.expected_cohort
+        _check("secagg-modulus-bits", self.secagg_modulus_bits, (2 ** (self.secagg_modulus_bits - 1) - 1) // largest > 2,
+               f"enough bits for a cohort of up to {largest} clients (≥ {math.ceil(math.log2(6 * largest))})")
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":

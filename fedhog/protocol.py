@@ -22,3 +22,6 @@ JOB_ID = "job-id"  # the training job's name, the same across resumes
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
 THIRD_ORDER_FINITE = "third-order-finite"
+
+# secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
+MASKED = "masked-contribution"

@@ -25,6 +25,7 @@ from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, client_error_summary, default_results_dir
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
+from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 
@@ -52,11 +53,15 @@ def build_strategy(config: RunConfig) -> SecureAggregator:
     )
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
+    secure = None
+    if config.secure_aggregation != "off":
+        secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, config.secagg_modulus_bits,
+                                config.clipping_norm)
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
                             config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
                             config.max_update_norm, equal_weights=config.client_dp == "dpsgd",
-                            step_length=_proxy_step_length(config))
+                            step_length=_proxy_step_length(config), secure_aggregation=secure)
 
 
 def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
@@ -173,7 +178,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         event.noise_multiplier if event else None,
         randomness="fixed privacy-seed (predictable)" if strategy.randomness.seed_is_fixed
         else "OS entropy (ChaCha20, 256-bit keys)",
-        sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds)))
+        sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds),
+        **_secure_aggregation_record(config)))
     discovery_started = time.perf_counter()
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
@@ -197,9 +203,10 @@ def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], d
     """Stop a run whose every sampled client raised this round (nothing can train), quoting why and the ε spent."""
     failed = record.rejections.get(CLIENT_ERROR, 0)
     if record.clients_sampled and failed == record.clients_sampled:
+        released = "nothing was released" if record.failure else "the round's noise was released all the same"
         raise RuntimeError(f"round {record.round}: every sampled client failed ({failed} of {record.clients_sampled}): "
-                           f"{client_error_summary(reasons.get(CLIENT_ERROR, ''))}; the round's noise was released "
-                           f"all the same: ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
+                           f"{client_error_summary(reasons.get(CLIENT_ERROR, ''))}; {released}: "
+                           f"ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
 
 
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
@@ -216,6 +223,15 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "
                                           "not for deployment)"))
     return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
+
+
+def _secure_aggregation_record(config: RunConfig) -> dict[str, object]:
+    """What ``metrics.json`` says of secure aggregation (nothing when it is off)."""
+    if config.secure_aggregation == "off":
+        return {}
+    return {"secure_aggregation": config.secure_aggregation,
+            "secagg_small_cohort_delta": small_cohort_delta(config.sampling, config.sampling_rate,
+                                                            config.population, config.rounds)}
 
 
 def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,

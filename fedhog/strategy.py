@@ -29,12 +29,14 @@ from .privacy.mechanism import (
     MAX_TAIL_DELTA_SHARE,
     Contribution,
     MechanismSettings,
+    add_noise,
     aggregate,
     noise_tail_delta,
     norms_of,
 )
 from .privacy.randomness import MAX_STANDARD_NORMAL, PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ class RoundRecord:
     sample_level_epsilon_max: float = math.nan  # client-dp = dpsgd: largest per-client record-level ε
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
+    failure: str = ""  # why the round released nothing (secure aggregation could not unmask the sum)
 
 
 @runtime_checkable
@@ -138,6 +141,10 @@ class SecureAggregator(Strategy):
         ``(θ, d) -> StepSize``: the multiple of the server optimizer's step d
         to take (:class:`fedhog.server_step.ProxyStepLength`, on the server's
         proxy data; post-processing).
+    secure_aggregation : SecAggSettings, optional
+        SecAgg+: each client mixes, clips and quantises its own contribution
+        and the server receives masked vectors only; it unmasks their sum and
+        adds the noise to it (:meth:`secure_round`).
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class SecureAggregator(Strategy):
         max_update_norm: float = math.inf,
         equal_weights: bool = False,
         step_length: Callable[[torch.Tensor, torch.Tensor], StepSize] | None = None,
+        secure_aggregation: SecAggSettings | None = None,
     ) -> None:
         self.mechanism = mechanism
         self.accountant = accountant
@@ -165,6 +173,10 @@ class SecureAggregator(Strategy):
         self.max_epsilon = max_epsilon
         self.adaptive_clipping = adaptive_clipping
         self.max_update_norm = max_update_norm
+        self.secure_aggregation = secure_aggregation
+        if secure_aggregation is not None and (mechanism.kind == "none" or adaptive_clipping is not None
+                                               or math.isfinite(max_update_norm)):
+            raise ValueError("secure aggregation needs a clipping mechanism, a fixed C and no max-update-norm")
         self.slot_of_node = {}  # node id -> position in the population (see discover)
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
@@ -177,13 +189,17 @@ class SecureAggregator(Strategy):
         m = self.mechanism
         return (f"SecureAggregator(mechanism={m.kind!r}, C={m.clipping_norm}, σ={m.noise_multiplier}, "
                 f"γ={m.mixing_strength}, sampling={self.sampling!r}, q={self.sampling_rate}, "
-                f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon})")
+                f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon}, "
+                f"secure_aggregation={self.secure_aggregation!r})")
 
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
         log(INFO, "\t├──> %r", self)
         if self.adaptive_clipping is not None:
             log(INFO, "\t├──> %r (the sum gets σ_Δ·C, the accountant composes σ)", self.adaptive_clipping)
+        if self.secure_aggregation is not None:
+            log(INFO, "\t├──> SecAgg+: clients clip, quantise mod 2^%d and mask; the server unmasks only the sum",
+                self.secure_aggregation.modulus_bits)
         if self.accountant.has_guarantee:
             event = self.accountant.event
             log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
@@ -322,11 +338,7 @@ class SecureAggregator(Strategy):
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
         self.accountant.compose_round()  # σ covers the update and, with adaptive clipping, the count
-        new_flat = self.server_optimizer.step(flat_global, averaged, server_round)
-        if self.step_length is not None:  # post-processing: the release and the server's own proxy data
-            proposed = new_flat - flat_global
-            record.server_step_scale = self.step_length(flat_global, proposed).step
-            new_flat = flat_global + record.server_step_scale * proposed
+        new_flat = self._server_step(flat_global, averaged, server_round, record)
         record.epsilon = self.accountant.epsilon()
         record.mean_norm_before_clip = stats.mean_norm_before_clip
         record.fraction_clipped = stats.fraction_clipped
@@ -344,6 +356,64 @@ class SecureAggregator(Strategy):
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
+
+    def secure_round(self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                     timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """A SecAgg+ round: sample, let the cohort mask its clipped contributions, unmask the sum, noise it.
+
+        The strategy never holds a single client's contribution: only masked
+        vectors (uniform mod M), then their sum. A round that cannot be
+        unmasked releases nothing and spends no ε; ``failure`` says why.
+        """
+        cohort = self.begin_round(server_round, arrays)
+        config[protocol.SERVER_ROUND] = server_round
+        record = self.current
+        dimension = sum(int(np.prod(a.shape)) for a in arrays.values())
+        try:
+            result = secure_sum(grid, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
+                                self.secure_aggregation, timeout, group_id=str(server_round))
+        except SecureAggregationFailed as error:
+            for sender, reason in error.dropped.items():
+                self._count_rejection(server_round, sender, BadReply(reason))
+            self._round_randomness = None
+            record.failure = f"secure aggregation failed: {error}"
+            record.epsilon = self.accountant.epsilon()
+            log(WARNING, "round %d released nothing: %s", server_round, record.failure)
+            return None, MetricRecord({"epsilon": record.epsilon, "clients-accepted": 0})
+        return self.finish_secure_round(server_round, result)
+
+    def finish_secure_round(self, server_round: int, result: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
+        """Noise the unmasked sum on its lattice, divide by K, apply the update, compose the event."""
+        record = self.current
+        for sender, reason in result.dropped.items():
+            self._count_rejection(server_round, sender, BadReply(reason))
+        record.bytes_received += result.bytes_received
+        record.clients_accepted = result.contributors
+        record.clipping_norm = self.mechanism.clipping_norm
+        keys = list(self._global.keys())
+        flat_global = _flatten(self._global, keys)
+        randomness, self._round_randomness = self._round_randomness, None
+        lattice = result.lattice.noise_lattice(flat_global.numel())
+        noisy_sum, sum_std = add_noise(result.levels, self.mechanism, lattice, randomness.noise)
+        expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
+        self.accountant.compose_round()
+        new_flat = self._server_step(flat_global, (noisy_sum / expected_cohort).to(flat_global.dtype), server_round,
+                                     record)
+        record.epsilon = self.accountant.epsilon()
+        record.noise_std = sum_std / expected_cohort
+        return _unflatten(new_flat, self._global, keys), MetricRecord(
+            {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
+             "clients-rejected": record.clients_rejected})
+
+    def _server_step(self, flat_global: torch.Tensor, release: torch.Tensor, server_round: int,
+                     record: RoundRecord) -> torch.Tensor:
+        """The new global model from the release: the server optimizer's step, scaled by ``step_length`` if set."""
+        new_flat = self.server_optimizer.step(flat_global, release, server_round)
+        if self.step_length is not None:  # post-processing: the release and the server's own proxy data
+            proposed = new_flat - flat_global
+            record.server_step_scale = self.step_length(flat_global, proposed).step
+            new_flat = flat_global + record.server_step_scale * proposed
+        return new_flat
 
     def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
         record = self.current
@@ -477,7 +547,10 @@ class SecureAggregator(Strategy):
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
                 break
             started = time.perf_counter()
-            if isinstance(grid, CohortGrid):  # the vectorized engine: the whole cohort in one computation
+            if self.secure_aggregation is not None:  # message by message on every engine (vectorized included)
+                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays,
+                                                              ConfigRecord(dict(train_config or {})), timeout)
+            elif isinstance(grid, CohortGrid):  # the vectorized engine: the whole cohort in one computation
                 results = grid.train_cohort(server_round, arrays, self.begin_round(server_round, arrays))
                 self.current.bytes_received += sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
                 new_arrays, train_metrics = self.finish_round(server_round, results)

@@ -7,7 +7,7 @@ and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
 instead of one message per client. Sampling, validation of the results, the
 mechanism, accounting, results folder, checkpoints and metrics are the
 strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
-``hog-step`` optimizer, Flower's DP baseline, a user's model with buffers)
+``hog-step`` optimizer, Flower's DP baseline, secure aggregation, a user's model with buffers)
 runs client by client, as on ``--engine inprocess``, and the run says so. A
 user's model must also be a function ``torch.func.vmap`` can batch: no
 data-dependent Python control flow, no ``.item()``, no in-place updates of
@@ -43,6 +43,9 @@ def unbatchable_reason(config: RunConfig) -> str | None:
         return "optimizer='hog-step' sizes each client's steps from its own derivatives"
     if config.aggregator == "flower-dp":
         return "aggregator='flower-dp' is Flower's own strategy, which sends one message per client"
+    if config.secure_aggregation != "off":
+        return (f"secure-aggregation={config.secure_aggregation!r} runs the protocol's stages with every client, "
+                "each masking its own contribution")
     if is_factory(config.model):  # a user's model: batchable when it is a pure function of parameters and inputs
         reason = unbatchable_model_reason(build_model(config.model, *dataset_info(config.data_spec)))
         return None if reason is None else f"model={config.model!r}: {reason}"

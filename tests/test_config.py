@@ -187,6 +187,8 @@ NON_DEFAULT = {
     "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "dpsgd-noise": "opacus-secure", "server-optimizer": "yogi",
     "server-momentum": 0.5, "server-beta2": 0.9, "server-tau": 0.01, "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,
+    "secure-aggregation": "off",  # secagg+ excludes adaptive clipping; its own keys still round-trip
+    "secagg-num-shares": 5, "secagg-threshold": 0.5, "secagg-modulus-bits": 40,
     "results-dir": 'runs/with "quotes", back\\slash, tab\tand é',
 }
 

@@ -157,6 +157,31 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
 
 
 @pytest.mark.slow
+def test_secure_aggregation_runs_on_a_local_deployment(tmp_path):
+    """Each SecAgg+ stage is a message to a fresh flwr-clientapp process: the protocol's keys must survive in
+    the SuperNode's context between them. Same privacy seed: the in-process engine unmasks the same sum."""
+    from fedhog.client_app import app as client_app
+    from fedhog.engine import run_in_process
+    from fedhog.server_app import app as server_app
+
+    secure = {"population": 3, "rounds": 1, "secure-aggregation": "secagg+"}
+    directory = deploy_local(_config(tmp_path, "deployed", **secure), nodes=3, workdir=tmp_path / "work",
+                             timeout=300)
+    assert _processes_using(tmp_path / "work") == []
+    run_in_process(server_app, client_app, 3, _config(tmp_path, "inprocess", **secure).to_mapping())
+    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+                            for name in ("deployed", "inprocess"))
+    assert deployed["status"] == "finished" and deployed["rounds"][0]["failure"] == ""
+    assert deployed["rounds"][0]["clients_accepted"] == in_process["rounds"][0]["clients_accepted"] == 3
+    assert deployed["rounds"][0]["epsilon"] == pytest.approx(in_process["rounds"][0]["epsilon"], rel=1e-12)
+    assert deployed["rounds"][0]["epsilon"] > 0
+    model_a = torch.load(directory / "final_model.pt")
+    model_b = torch.load(tmp_path / "inprocess" / "final_model.pt")
+    for key in model_a:
+        torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_one_round_over_tls(tmp_path):
     directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
                              timeout=300)

@@ -225,10 +225,15 @@ class NoiseLattice:
         g, a power of two.
     dimension : int
         d, the length of the flat model vector.
+    rounding_steps : float
+        How far rounding moves a coordinate at most, in steps g: ½ for
+        rounding to nearest (the trusted server), 1 for stochastic rounding
+        (clients under secure aggregation).
     """
 
     granularity: float
     dimension: int
+    rounding_steps: float = 0.5
 
     @classmethod
     def for_settings(cls, settings: MechanismSettings, dimension: int) -> "NoiseLattice":
@@ -238,8 +243,8 @@ class NoiseLattice:
 
     @property
     def rounding_slack(self) -> float:
-        """g√d/2: how far rounding onto the lattice can move one contribution (L2)."""
-        return self.granularity * math.sqrt(self.dimension) / 2
+        """g√d/2 (g√d for stochastic rounding): how far rounding onto the lattice can move one contribution (L2)."""
+        return self.granularity * math.sqrt(self.dimension) * self.rounding_steps
 
     def quantize(self, vector: torch.Tensor) -> torch.Tensor:
         """round(vector / g) as int64 (|entries| ≤ C/g ≤ 2^41 for a clipped contribution)."""

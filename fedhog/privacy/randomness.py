@@ -149,11 +149,14 @@ class PrivacyRandomness:
         return "PrivacyRandomness(OS entropy)" if self.seed is None else "PrivacyRandomness(fixed seed)"
 
 
-def client_bits(seed: int | None, server_round: int, partition_id: int) -> RandomBits:
-    """A client's own stream for one round (DP-SGD): OS entropy, or derived from a fixed seed."""
+def client_bits(seed: int | None, server_round: int, partition_id: int, stream: int = 0) -> RandomBits:
+    """A client's own stream for one round: OS entropy, or derived from a fixed seed.
+
+    ``stream`` 0 is DP-SGD's; 1 is secure aggregation's (ξ and stochastic rounding).
+    """
     if seed is None:
         return SecureBits()
-    return SeededBits(seed, (server_round, len(PrivacyRandomness.STREAMS), partition_id))
+    return SeededBits(seed, (server_round, len(PrivacyRandomness.STREAMS), partition_id) + ((stream,) if stream else ()))
 
 
 def uniform(bits: RandomBits, count: int) -> np.ndarray:

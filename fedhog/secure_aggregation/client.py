@@ -1,0 +1,90 @@
+"""The client's side of SecAgg+: Flower's stages, with fedhog's quantised contribution and masks.
+
+Setup (key pairs), share-keys (Shamir shares of the self-mask seed and of the
+masking key, encrypted to each neighbour) and unmask (shares for the server)
+are Flower's own stage functions from ``secaggplus_mod``, and the protocol's
+state lives where Flower keeps it (``context.state``, in memory). Only the
+collect stage is fedhog's: the contribution is the client's clipped,
+quantised row (:mod:`.quantization`), masked with :func:`.masking.mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.client.mod.secure_aggregation.secaggplus_mod import (  # Flower's stage functions (pinned < 1.43)
+    SecAggPlusState,
+    _setup,
+    _share_keys,
+    _unmask,
+    check_configs,
+    check_stage,
+)
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
+from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from .. import protocol
+from .masking import mask
+
+#: ``contribute(cohort, modulus_bits)``: this client's quantised contribution as residues mod 2^bits (uint64).
+Contribute = Callable[[int, int], np.ndarray]
+
+
+def is_secaggplus(msg: Message) -> bool:
+    """Whether a train message is a stage of SecAgg+."""
+    return RECORD_KEY_CONFIGS in msg.content.config_records
+
+
+def handle_stage(msg: Message, context: Context, contribute: Contribute) -> Message:
+    """Run the stage ``msg`` asks for; reply with its config record (and the masked vector when collecting)."""
+    if RECORD_KEY_STATE not in context.state.config_records:
+        context.state.config_records[RECORD_KEY_STATE] = ConfigRecord({})
+    state = SecAggPlusState(**context.state.config_records[RECORD_KEY_STATE])
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    check_stage(state.current_stage, configs)
+    state.current_stage = cast(str, configs.pop(Key.STAGE))
+    check_configs(state.current_stage, configs)
+    content = RecordDict()
+    if state.current_stage == Stage.SETUP:
+        state.nid = msg.metadata.dst_node_id
+        result = _setup(state, configs)
+    elif state.current_stage == Stage.SHARE_KEYS:
+        result = _share_keys(state, configs)
+    elif state.current_stage == Stage.COLLECT_MASKED_VECTORS:
+        content[protocol.MASKED] = ArrayRecord({protocol.MASKED: Array(_masked_vector(state, configs, contribute))})
+        result = {}
+    else:
+        result = _unmask(state, configs)
+    context.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
+    content[RECORD_KEY_CONFIGS] = ConfigRecord(result, False)
+    return Message(content, reply_to=msg)
+
+
+def _masked_vector(state: SecAggPlusState, configs: ConfigRecord, contribute: Contribute) -> np.ndarray:
+    """Store the neighbours' shares, then y = q + PRG(b) + Σ_j ±PRG(s_ij) mod M (Bonawitz et al. 2017)."""
+    ciphertexts = cast(list[bytes], configs[Key.CIPHERTEXT_LIST])
+    sources = cast(list[int], configs[Key.SOURCE_LIST])
+    if len(ciphertexts) + 1 < state.threshold:
+        raise ValueError(f"only {len(ciphertexts) + 1} of the threshold {state.threshold} neighbours remain")
+    for source, ciphertext in zip(sources, ciphertexts, strict=True):
+        sender, destination, seed_share, key_share = share_keys_plaintext_separate(
+            decrypt(state.ss2_dict[source], ciphertext))
+        if sender != source or destination != state.nid:
+            raise ValueError(f"node {state.nid}: a share from {sender} to {destination} arrived as {source}'s")
+        state.rd_seed_share_dict[source] = seed_share
+        state.sk1_share_dict[source] = key_share
+    bits = state.mod_range.bit_length() - 1
+    vector = contribute(state.sample_num, bits)
+    vector = vector + mask(state.rd_seed, vector.size, bits)
+    own_key = bytes_to_private_key(state.sk1)
+    for node in sources:
+        pairwise = mask(generate_shared_key(own_key, bytes_to_public_key(state.public_keys_dict[node][0])),
+                        vector.size, bits)
+        vector = vector + pairwise if state.nid > node else vector - pairwise  # uint64 wraps mod 2^64
+    vector &= np.uint64(state.mod_range - 1)
+    return vector.astype(np.uint32 if bits <= 32 else np.uint64)

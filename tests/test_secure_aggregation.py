@@ -1,0 +1,270 @@
+"""Secure aggregation (SecAgg+): the server learns only the sum, survives dropouts up to the threshold.
+
+Tests assert on what reaches the server (every reply the Grid hands back),
+against exact integer sums, and against the trusted mode's release.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+
+from fedhog import protocol
+from fedhog.client_app import app as fedhog_client_app
+from fedhog.config import ConfigError, RunConfig
+from fedhog.engine import InProcessGrid
+from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
+from fedhog.privacy.randomness import SeededBits
+from fedhog.secure_aggregation.client import SecAggPlusState, handle_stage
+from fedhog.secure_aggregation.quantization import ModularLattice
+from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
+from fedhog.server_app import app as server_app
+from fedhog.vectorized import unbatchable_reason
+
+DIMENSION = 3000
+CLIP = 2.0
+
+
+class DroppingGrid(InProcessGrid):
+    """An in-process Grid whose nodes stop answering from stage ``drop_at`` on; it keeps every reply.
+
+    The nodes of partitions ``drop`` drop out, or the first ``drop_count`` nodes the stage goes to.
+    """
+
+    def __init__(self, *args, drop_at: str | None = None, drop: tuple[int, ...] = (), drop_count: int = 0,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop_at, self.drop_partitions, self.drop_count, self.replies = drop_at, set(drop), drop_count, []
+        self._dropped: set[int] = set()
+
+    def push_messages(self, messages):
+        kept = []
+        for message in messages:
+            configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            partition = self.contexts[message.metadata.dst_node_id].node_config["partition-id"]
+            if configs is not None and configs[Key.STAGE] == self.drop_at and (
+                    partition in self.drop_partitions or len(self._dropped) < self.drop_count):
+                self._dropped.add(message.metadata.dst_node_id)
+            if message.metadata.dst_node_id not in self._dropped:
+                kept.append(message)
+        return super().push_messages(kept)
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        self.replies += replies
+        return replies
+
+
+def _contributions(n: int) -> dict[int, np.ndarray]:
+    """Partition -> a clipped contribution's integers on the lattice of a cohort of n (the worst case: ±C)."""
+    lattice = ModularLattice.for_cohort(CLIP, n, 32)
+    bits = SeededBits(5)
+    rows = torch.from_numpy(np.stack([np.random.default_rng(i).standard_normal(DIMENSION) for i in range(n)]))
+    clipped, _ = constrain_sensitivity(rows * 100, None, torch.zeros(n), MechanismSettings("gaussian", CLIP, 0.0))
+    levels = {i: lattice.stochastic_round(clipped[i], bits) for i in range(n)}
+    levels[0] = np.full(DIMENSION, lattice.max_level)  # a coordinate at the top of the range, in every position
+    return levels
+
+
+def _secure_app(levels: dict[int, np.ndarray]) -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        mine = levels[int(context.node_config["partition-id"])]
+        return handle_stage(msg, context, lambda cohort, bits: ModularLattice.for_cohort(CLIP, cohort, bits).encode(mine))
+
+    return app
+
+
+def _run_sum(n: int, drop_at: str | None = None, drop: tuple[int, ...] = (), num_shares: int = 0,
+             threshold: float = 0.66):
+    levels = _contributions(n)
+    grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=drop_at, drop=drop)
+    content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
+    settings = SecAggSettings(num_shares, threshold, 32, CLIP)
+    return grid, levels, lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION, settings, 10, "1")
+
+
+def test_modular_lattice_leaves_room_for_the_whole_cohort():
+    for n in (2, 10, 100, 1000):
+        lattice = ModularLattice.for_cohort(CLIP, n, 32)
+        assert n * (lattice.max_level) < lattice.modulus // 2  # the sum of n extreme contributions cannot wrap
+        assert CLIP / lattice.granularity + 1 <= lattice.max_level  # a clipped coordinate's level fits
+        assert lattice.granularity <= 4 * n * CLIP / lattice.modulus  # and g is as fine as the modulus allows
+        extreme = np.full(5, -lattice.max_level)
+        total = sum(lattice.encode(extreme) for _ in range(n)) & np.uint64(lattice.modulus - 1)
+        assert lattice.decode_sum(total).tolist() == [-n * lattice.max_level] * 5
+    with pytest.raises(ValueError, match="levels"):
+        ModularLattice.for_cohort(CLIP, 2**15, 16)
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_step():
+    lattice = ModularLattice.for_cohort(1.0, 2**20, 32)  # a coarse g, so that the rounding shows
+    value = torch.full((200_000,), 0.3 * lattice.granularity + 5 * lattice.granularity)
+    levels = lattice.stochastic_round(value, SeededBits(1))
+    assert set(np.unique(levels).tolist()) == {5, 6}
+    assert levels.mean() == pytest.approx(5.3, abs=5 * math.sqrt(0.21 / 200_000))  # 5 standard errors
+    with pytest.raises(ValueError, match="clip"):
+        lattice.stochastic_round(torch.full((3,), 2.0), SeededBits(1))
+
+
+def test_the_server_unmasks_exactly_the_sum_and_holds_no_single_contribution():
+    n = 6
+    grid, levels, run = _run_sum(n)
+    result = run()
+    assert result.contributors == n and not result.dropped
+    assert torch.equal(result.levels, torch.from_numpy(sum(levels.values())))
+    lattice = result.lattice
+    masked = [r.content[protocol.MASKED][protocol.MASKED].numpy() for r in grid.replies
+              if protocol.MASKED in r.content.array_records]
+    assert len(masked) == n
+    for reply in grid.replies:  # no reply carries an update, a term, metrics or a float array
+        assert set(reply.content.array_records) <= {protocol.MASKED}
+        assert not reply.content.metric_records
+        assert all(a.numpy().dtype == lattice.wire_dtype for r in reply.content.array_records.values()
+                   for a in r.values())
+    for vector in masked:
+        centred = lattice.decode_sum(vector.astype(np.uint64)).numpy()
+        # an unmasked contribution lies within ±max_level of 0; a masked one is uniform mod M
+        assert np.mean(np.abs(centred) <= lattice.max_level) < 2 / n
+        assert not any(np.array_equal(lattice.encode(mine), vector) for mine in levels.values())
+        assert abs(np.mean(vector.astype(np.float64)) / lattice.modulus - 0.5) < 0.03
+
+
+@pytest.mark.parametrize("stage", [Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK])
+def test_dropouts_up_to_the_threshold_still_release_the_survivors_sum(stage):
+    n = 7  # k = 7, t = ⌈0.66·7⌉ = 5: two may drop
+    grid, levels, run = _run_sum(n, drop_at=stage, drop=(2, 5))
+    result = run()
+    dropped_nodes = {node for node, c in grid.contexts.items() if c.node_config["partition-id"] in (2, 5)}
+    assert set(result.dropped) == {f"node {node}" for node in dropped_nodes}
+    survivors = [0, 1, 3, 4, 6] if stage == Stage.COLLECT_MASKED_VECTORS else range(n)  # unmask: vectors all in
+    assert result.contributors == len(survivors)
+    assert torch.equal(result.levels, torch.from_numpy(sum(levels[i] for i in survivors)))
+
+
+def test_sparse_secaggplus_graph_releases_the_sum_with_dropouts():
+    n = 9  # k = 5 neighbours, t = 3: each neighbourhood tolerates 2 dropouts
+    grid, levels, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(4,), num_shares=5, threshold=0.6)
+    result = run()
+    assert torch.equal(result.levels, torch.from_numpy(sum(levels[i] for i in range(n) if i != 4)))
+
+
+@pytest.mark.parametrize("stage", [Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK])
+def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
+    grid, _, run = _run_sum(7, drop_at=stage, drop=(1, 2, 3))
+    with pytest.raises(SecureAggregationFailed, match="threshold is 5|5 are needed") as failure:
+        run()
+    assert len(failure.value.dropped) == 3
+
+
+def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | None = None,
+         **overrides) -> tuple[dict, dict]:
+    settings = {"dataset": "digits", "model": "logreg", "population": 8, "sampling": "fixed",
+                "sampling-rate": 0.75, "rounds": 1, "local-epochs": 1, "learning-rate": 0.1,
+                "clipping-norm": 0.5, "noise-multiplier": 0.0, "mechanism": "hog", "privacy-seed": 7,
+                "partitioner": "iid", "results-dir": str(tmp_path / name), **overrides}
+    config = RunConfig().with_overrides(settings)
+    grid = DroppingGrid(fedhog_client_app, config.population, config.to_mapping(), **(grid_kwargs or {}))
+    if grids is not None:
+        grids.append(grid)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
+    server_app(grid, context)
+    metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    return metrics, torch.load(tmp_path / name / "final_model.pt")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5])
+def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound(tmp_path, sigma):
+    trusted, trusted_model = _run(tmp_path, "trusted", **{"noise-multiplier": sigma})
+    secure, secure_model = _run(tmp_path, "secure", **{"noise-multiplier": sigma, "secure-aggregation": "secagg+"})
+    n = secure["rounds"][0]["clients_accepted"]
+    assert n == trusted["rounds"][0]["clients_accepted"] == 6 and secure["rounds"][0]["epsilon"] == \
+        trusted["rounds"][0]["epsilon"]
+    dimension = sum(v.numel() for v in secure_model.values())
+    g = ModularLattice.for_cohort(0.5, n, 32).granularity
+    # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,
+    # and with noise the same normals Z (|Z| ≤ 13.37) rounded on the two lattices at stds that differ by σ·g√d
+    # (K = 6), then float32 rounds ū and θ + ū: half a unit in the last place each, in both modes
+    _, initial = _run(tmp_path, "initial", **{"max-epsilon": 1e-9, "noise-multiplier": 1.0})  # stops before round 1
+    bound = (n * g + sigma * 13.37 * g * math.sqrt(dimension) + g + 2.0**-30) / 6
+    for key in secure_model:
+        difference = (secure_model[key] - trusted_model[key]).abs()
+        ulps = 2.0**-23 * (trusted_model[key].abs() + (trusted_model[key] - initial[key]).abs())
+        assert bool((difference <= bound + ulps).all()), key
+    assert any(not torch.equal(secure_model[k], trusted_model[k]) for k in secure_model)  # not the same code path
+
+
+def test_a_round_with_too_many_dropouts_releases_nothing_and_spends_no_epsilon(tmp_path):
+    # 6 of 8 sampled, t = ⌈0.66·6⌉ = 4: three dropouts after key sharing are one too many
+    secure = {"noise-multiplier": 0.5, "secure-aggregation": "secagg+"}
+    metrics, model = _run(tmp_path, "failing", {"drop_at": Stage.COLLECT_MASKED_VECTORS, "drop_count": 3}, **secure)
+    record = metrics["rounds"][0]
+    assert record["failure"].startswith("secure aggregation failed: collect-masked-vectors")
+    assert record["epsilon"] == 0.0 and metrics["summary"]["epsilon"] == 0.0
+    assert record["clients_accepted"] == 0 and record["rejections"] == {"dropped out": 3}
+    _, initial = _run(tmp_path, "no-rounds", **{**secure, "rounds": 1, "max-epsilon": 1e-9})  # stops before round 1
+    assert all(torch.equal(model[k], initial[k]) for k in initial)  # nothing was released: the model did not move
+    # two dropouts are within the threshold: the round releases the other four's sum
+    metrics, _ = _run(tmp_path, "surviving", {"drop_at": Stage.COLLECT_MASKED_VECTORS, "drop_count": 2}, **secure)
+    assert metrics["rounds"][0]["clients_accepted"] == 4 and metrics["rounds"][0]["epsilon"] > 0
+
+
+@pytest.mark.parametrize("overrides, names", [
+    ({"adaptive-clipping": True}, "adaptive-clipping"),
+    ({"max-update-norm": 10.0}, "max-update-norm"),
+    ({"aggregator": "flower-dp", "mechanism": "gaussian", "sampling": "fixed", "accountant": "rdp"}, "aggregator"),
+    ({"client-dp": "dpsgd", "mechanism": "gaussian"}, "client-dp"),
+    ({"mechanism": "none"}, "mechanism"),
+    ({"secagg-modulus-bits": 12}, "secagg-modulus-bits"),
+    ({"secagg-modulus-bits": 16, "population": 20000, "num-samples": 40000}, "secagg-modulus-bits"),
+    ({"secagg-num-shares": 2}, "secagg-num-shares"),
+    ({"secagg-threshold": 0.0}, "secagg-threshold"),
+    ({"secure-aggregation": "secagg"}, "secure-aggregation"),
+])
+def test_what_secure_mode_cannot_do_is_refused_naming_the_key(overrides, names):
+    with pytest.raises(ConfigError, match=names):
+        RunConfig().with_overrides({"secure-aggregation": "secagg+", **overrides})
+
+
+def test_the_vectorized_engine_runs_secure_mode_client_by_client():
+    assert "secure-aggregation" in unbatchable_reason(RunConfig().with_overrides({"secure-aggregation": "secagg+"}))
+
+
+def test_small_cohort_delta_is_the_probability_that_poisson_sampling_leaves_fewer_than_two():
+    assert small_cohort_delta("fixed", 0.1, 100, 30) == 0.0
+    q, n = 0.2, 40
+    one_round = (1 - q) ** (n - 1) + (n - 1) * q * (1 - q) ** (n - 2)
+    assert small_cohort_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
+
+
+def test_no_secret_of_the_protocol_reaches_the_results_folder_or_the_log(tmp_path, caplog):
+    """The clients' private keys, self-mask seeds and pairwise keys stay in their contexts' memory."""
+    caplog.set_level("DEBUG")
+    grids: list = []
+    metrics, _ = _run(tmp_path, "secrets", grids=grids, **{"secure-aggregation": "secagg+", "privacy-seed": -1,
+                                                         "noise-multiplier": 1.0})
+    assert metrics["status"] == "finished" and metrics["rounds"][0]["clients_accepted"] == 6
+    states = [SecAggPlusState(**c.state.config_records[RECORD_KEY_STATE]) for c in grids[0].contexts.values()
+              if RECORD_KEY_STATE in c.state.config_records]
+    secrets_held = [secret for state in states for secret in (state.sk1, state.sk2, state.rd_seed,
+                                                               *state.ss2_dict.values())]
+    assert len(states) == 6 and all(secrets_held)
+    haystacks = [p.read_bytes() for p in (tmp_path / "secrets").rglob("*") if p.is_file()] + [caplog.text.encode()]
+    for secret in secrets_held:
+        for needle in (secret, secret.hex().encode(), base64.b64encode(secret), secret[-16:]):
+            assert not any(needle in hay for hay in haystacks)
