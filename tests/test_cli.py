@@ -231,7 +231,7 @@ def test_the_packaged_quickstart_is_the_default_config(tmp_path, engines, monkey
     monkeypatch.chdir(tmp_path)  # no configs/ here
     assert cli.main(["run", "--set", "rounds=1"]) == 0
     ((_, config, _),) = engines
-    assert (config.population, config.target_epsilon, config.sampling_rate) == (5000, 3.0, 0.1)
+    assert (config.population, config.target_epsilon, config.sampling_rate) == (10000, 3.0, 0.05)
     assert Path(config.results_dir).parent == tmp_path / "results"
 
 
