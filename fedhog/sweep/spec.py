@@ -225,7 +225,8 @@ def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Seq
         variant_grid = {k: v for k, v in grid.items() if k not in keys}
         for values in itertools.product(*variant_grid.values()):
             grid_values = dict(zip(variant_grid, values))
-            name = variant["name"] if variant else str({**base, **keys, **grid_values}.get("mechanism", RunConfig.mechanism))
+            mapping = {**base, **keys, **grid_values}
+            name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
             chosen = (choices or {}).get((name, condition_of(grid_values)), {})
             cell_id = cell_id_of(variant["name"] if variant else None, grid_values)
             if cell_id in seen:
