@@ -108,46 +108,35 @@ def _bind(f: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _routed_layer_norm(args: tuple, kwargs: dict) -> Tensor:
-    # F.layer_norm(input, normalized_shape, weight, bias, eps) or
-    # torch.layer_norm(input, normalized_shape, weight, bias, eps, cudnn_enable)
-    a = _bind(layer_norm, args[:5], {k: v for k, v in kwargs.items() if k != "cudnn_enable"})
-    return layer_norm(**a)
+Router = Callable[[tuple, dict], Tensor]
 
 
-def _routed_batch_norm(args: tuple, kwargs: dict) -> Tensor:
-    a = _bind(batch_norm, args[:8], {k: v for k, v in kwargs.items() if k != "cudnn_enabled"})
-    return batch_norm(**a)
+def _by_signature(f: Callable[..., Tensor], positional: int, dropped: str) -> Router:
+    """Call ``f`` with the first ``positional`` arguments bound to its signature, less the cuDNN flag ``dropped``."""
+    def route(args: tuple, kwargs: dict) -> Tensor:
+        return f(**_bind(f, args[:positional], {k: v for k, v in kwargs.items() if k != dropped}))
+    return route
 
 
-def _routed_torch_batch_norm(args: tuple, kwargs: dict) -> Tensor:
-    # torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
-    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-    a = dict(zip(names, args[:8]))
-    a.update({k: v for k, v in kwargs.items() if k in names})
-    return batch_norm(**a)
+def _by_names(f: Callable[..., Tensor], names: tuple[str, ...]) -> Router:
+    """Call ``f`` with a ``torch.*`` op's positional arguments named ``names`` (its trailing cuDNN flag dropped)."""
+    def route(args: tuple, kwargs: dict) -> Tensor:
+        a = dict(zip(names, args[:len(names)]))
+        a.update({k: v for k, v in kwargs.items() if k in names})
+        return f(**a)
+    return route
 
 
-def _routed_instance_norm(args: tuple, kwargs: dict) -> Tensor:
-    a = _bind(instance_norm, args[:8], {k: v for k, v in kwargs.items() if k != "cudnn_enabled"})
-    return instance_norm(**a)
+_ROUTED_LAYER_NORM = _by_signature(layer_norm, 5, "cudnn_enable")  # F.layer_norm / torch.layer_norm(..., cudnn_enable)
+_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var")
 
-
-def _routed_torch_instance_norm(args: tuple, kwargs: dict) -> Tensor:
-    # torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled)
-    names = ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum", "eps")
-    a = dict(zip(names, args[:8]))
-    a.update({k: v for k, v in kwargs.items() if k in names})
-    return instance_norm(**a)
-
-
-ROUTED: dict[Any, Callable[[tuple, dict], Tensor]] = {
-    F.layer_norm: _routed_layer_norm,
-    torch.layer_norm: _routed_layer_norm,
-    F.batch_norm: _routed_batch_norm,
-    torch.batch_norm: _routed_torch_batch_norm,
-    F.instance_norm: _routed_instance_norm,
-    torch.instance_norm: _routed_torch_instance_norm,
+ROUTED: dict[Any, Router] = {
+    F.layer_norm: _ROUTED_LAYER_NORM,
+    torch.layer_norm: _ROUTED_LAYER_NORM,
+    F.batch_norm: _by_signature(batch_norm, 8, "cudnn_enabled"),
+    torch.batch_norm: _by_names(batch_norm, (*_NORM_ARGS, "training", "momentum", "eps")),
+    F.instance_norm: _by_signature(instance_norm, 8, "cudnn_enabled"),
+    torch.instance_norm: _by_names(instance_norm, (*_NORM_ARGS, "use_input_stats", "momentum", "eps")),
 }
 """Calls replaced by a formulation from elementary operations."""
 
