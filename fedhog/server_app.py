@@ -68,8 +68,8 @@ def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
     """``server-step`` on the server's proxy set, or None when it is off."""
     if config.server_step == "none":
         return None
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, *dataset_info(config.data_spec))
+    with torch.random.fork_rng():  # its weights are overwritten every round: leave the run's torch RNG as it was
+        model = build_model(config.model, *dataset_info(config.data_spec))
     return ProxyStepLength(config.server_step_settings, model, load_proxy_set(config.data_spec),
                            list(model.state_dict()))
 

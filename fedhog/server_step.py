@@ -80,15 +80,15 @@ class ProxyStepLength:
         state = model.state_dict()
         self.keys = list(keys)
         self.shapes = [tuple(state[k].shape) for k in self.keys]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
         self.parameters = {name for name, _ in model.named_parameters()}
 
     def __repr__(self) -> str:
         return f"ProxyStepLength({self.settings.kind!r}, max_scale={self.settings.max_scale}, proxy={len(self.targets)})"
 
     def _entries(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        sizes = [math.prod(shape) for shape in self.shapes]
         return {k: part.reshape(shape).to(self.dtype)
-                for k, part, shape in zip(self.keys, flat.split(sizes), self.shapes)}
+                for k, part, shape in zip(self.keys, flat.split(self.sizes), self.shapes)}
 
     def __call__(self, theta: torch.Tensor, step: torch.Tensor) -> StepSize:
         """The scale ``s`` for θ + s·step (flat vectors in ``keys`` order), with why it was chosen."""

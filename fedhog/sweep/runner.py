@@ -127,7 +127,19 @@ def _run_cells(sweep: Sweep, cells: list[Cell], what: str, show_progress: bool, 
 def apply_tuning(sweep: Sweep) -> Sweep:
     """The sweep whose cells take, per (variant, condition), the tuned setting with the best validation score.
 
-    Writes ``tuning.md`` and ``tuning.csv`` (every setting's score) in the sweep's folder.
+    Writes ``tuning.md`` and ``tuning.csv`` (every setting's score) in the sweep's folder; raises
+    :class:`SweepError` as :func:`tuning_choices` does.
+    """
+    scores, choices = tuning_choices(sweep)
+    sweep.output.mkdir(parents=True, exist_ok=True)
+    (sweep.output / "tuning.md").write_text(tuning_markdown(sweep, scores, choices))
+    write_csv([{"variant": s.variant, **dict(s.condition), **dict(s.setting), "seed_score": s.score}
+               for s in scores], sweep.output / "tuning.csv")
+    return sweep.tuned(choices)
+
+
+def tuning_choices(sweep: Sweep) -> tuple[list[TrialScore], dict[tuple[str, tuple], dict[str, Any]]]:
+    """Every finished tuning run's validation score, and the best setting per (variant, condition).
 
     Raises
     ------
@@ -147,11 +159,7 @@ def apply_tuning(sweep: Sweep) -> Sweep:
     if missing:
         raise SweepError("tuning has no finished run for " + "; ".join(
             f"variant '{v}' {dict(c) or ''}" for v, c in missing) + ": run the sweep again to retry them")
-    sweep.output.mkdir(parents=True, exist_ok=True)
-    (sweep.output / "tuning.md").write_text(tuning_markdown(sweep, scores, choices))
-    write_csv([{"variant": s.variant, **dict(s.condition), **dict(s.setting), "seed_score": s.score}
-               for s in scores], sweep.output / "tuning.csv")
-    return sweep.tuned(choices)
+    return scores, choices
 
 
 def _run_cell(cell: Cell, engine: str) -> None:
@@ -325,7 +333,8 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
             if sweep.tuning is not None and not all(is_finished(trial.cell) for trial in sweep.trials):
                 console.print(f"then {len(sweep.cells)} cells with the tuned values")
                 return 0
-            for cell in (apply_tuning(sweep) if sweep.tuning is not None else sweep).cells:
+            listed = sweep.tuned(tuning_choices(sweep)[1]) if sweep.tuning is not None else sweep  # writes nothing
+            for cell in listed.cells:
                 console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {escape(cell.cell_id)}")
             return 0
         outcome = run_sweep(sweep, threads=threads)
