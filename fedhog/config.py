@@ -308,6 +308,12 @@ class RunConfig:
                               f"{', '.join(ranking)} need a binary label and it has {num_classes} classes; "
                               "expected metrics = \"accuracy\"")
 
+    @property
+    def calibration_inputs(self) -> tuple[Any, ...]:
+        """Everything :meth:`calibrated` reads: configs equal here get the same σ."""
+        return (self.aggregator, self.target_epsilon, self.delta, self.rounds, self.sampling, self.sampling_rate,
+                self.population, self.accountant, self.expected_cohort)
+
     def calibrated(self) -> "RunConfig":
         """This config with σ calibrated to ``target-epsilon`` (itself when that is off).
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fedhog.sweep.report import summary_markdown
+from fedhog.sweep.report import summary_markdown, tuning_markdown
 from fedhog.sweep.runner import run_sweep, sweep_command
 from fedhog.sweep.spec import SweepError, cell_id_of, load_sweep, privacy_seed_for
 from fedhog.sweep.stats import paired_comparisons
@@ -141,10 +141,11 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     sweep = load_sweep(ROOT / "configs" / "sweep_convergence.toml")
     conditions = {(t.cell.variant, t.condition) for t in sweep.trials}
     assert {c for v, c in conditions if v == "hog"} == {(("model", m), ("target-epsilon", e))
-                                                          for m in ("mlp", "cnn1d") for e in (1.0, 3.0, 8.0)}
+                                                          for m in ("cnn1d",) for e in (1.0, 3.0, 8.0)}
     hog = {t.setting for t in sweep.trials if t.cell.variant == "hog"}
-    assert len(hog) == 2 * 3 * 3 and {dict(s)["mixing-strength"] for s in hog} == {0.25, 0.5, 1.0}
-    assert {t.cell.config.rounds for t in sweep.trials} == {100} and {c.config.seed for c in sweep.cells} == set(range(5))
+    assert len(hog) == 2 * 3 * 2 and {dict(s)["mixing-strength"] for s in hog} == {0.25, 0.5}
+    assert {t.cell.config.rounds for t in sweep.trials} == {30} and {c.config.rounds for c in sweep.cells} == {100}
+    assert {c.config.seed for c in sweep.cells} == set(range(5))
 
 
 @pytest.mark.parametrize(("text", "match"), [
@@ -415,6 +416,33 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
     (sweep.output / "tuning.md").unlink()
     assert sweep_command(sweep.path, list_only=True) == 0
     assert not (sweep.output / "tuning.md").exists()  # listing a tuned sweep writes nothing
+
+
+def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatch):
+    """[tune] rounds = R: a trial stops after R rounds, with the σ calibrated for the cell's own rounds."""
+    from fedhog.privacy.calibration import calibrate_noise_multiplier
+
+    monkeypatch.chdir(tmp_path)
+    text = TUNED.replace("rounds = 2\nclipping", "rounds = 6\nclipping")
+    sweep = load_sweep(_write(tmp_path, text.replace("last-rounds = 2", "last-rounds = 2\nrounds = 2")))
+    full_rounds = sweep.cells[0].config.rounds
+    assert full_rounds == 6
+    for trial in sweep.trials:
+        config = trial.cell.config
+        assert config.rounds == 2
+        epsilon = dict(trial.condition).get("target-epsilon", 0.0)
+        if trial.cell.variant == "no-dp":
+            assert config.target_epsilon == 0 and config.mechanism == "none"
+            continue
+        expected = calibrate_noise_multiplier(epsilon, config.delta, full_rounds, config.sampling,
+                                              config.sampling_rate, config.population, config.accountant)
+        assert config.target_epsilon == 0 and config.noise_multiplier == pytest.approx(expected, rel=1e-12)
+        short = calibrate_noise_multiplier(epsilon, config.delta, 2, config.sampling, config.sampling_rate,
+                                           config.population, config.accountant)
+        assert config.noise_multiplier > 1.1 * short  # not recalibrated for the shorter run
+    assert "stop after 2 rounds" in tuning_markdown(sweep, [], {})
+    with pytest.raises(SweepError, match="rounds=1 is not allowed"):
+        load_sweep(_write(tmp_path, text.replace("last-rounds = 2", "last-rounds = 2\nrounds = 1")))
 
 
 @pytest.mark.parametrize("change, match", [

@@ -63,7 +63,10 @@ def _tuning_sentence(sweep: Sweep) -> str:
     own = [f"{name}: {_choices_of(table)}" for name, table in tuning.per_variant.items()]
     return (f"Chosen per variant and condition on the server's validation set (never the test set): the highest mean "
             f"validation accuracy over the last {tuning.last_rounds} rounds, averaged over the tuning seeds "
-            f"{', '.join(map(str, tuning.seeds))} (other data seeds than the cells'). Grid: {'; '.join(grids) or '–'}"
+            f"{', '.join(map(str, tuning.seeds))} (other data seeds than the cells')"
+            + (f"; tuning runs stop after {tuning.rounds} rounds, at the noise multiplier calibrated for the cells' "
+               "full horizon" if tuning.rounds else "")
+            + f". Grid: {'; '.join(grids) or '–'}"
             + (f"; per variant: {'; '.join(own)}" if own else "") + ".")
 
 

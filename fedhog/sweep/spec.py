@@ -15,7 +15,7 @@ import numpy as np
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 
 SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune")
-TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds")
+TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds")
 SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
 RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
 REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
@@ -69,12 +69,16 @@ class Tuning:
         The tuning runs' data seeds (disjoint from the grid's seeds).
     last_rounds : int
         A trial's score is its mean ``validation_accuracy`` over its last rounds, averaged over the seeds.
+    rounds : int
+        0: a tuning run is as long as a cell. Otherwise it stops after this many rounds, with the noise
+        multiplier calibrated for the cell's full horizon (the same noise per round as the cell it tunes).
     """
 
     grid: dict[str, list[Any]]
     per_variant: dict[str, dict[str, list[Any]]]
     seeds: tuple[int, ...]
     last_rounds: int = 5
+    rounds: int = 0
 
     def grid_for(self, variant: dict[str, Any] | None) -> dict[str, list[Any]]:
         """The keys tuned for a variant: the shared grid and its own, less the keys it sets itself."""
@@ -262,12 +266,32 @@ def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Se
                     name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
                     cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
                     config = _cell_config(cell_id, mapping, output / "tuning")
+                    if tuning.rounds:
+                        config = _cell_config(cell_id, _shortened(mapping, config, tuning.rounds), output / "tuning")
                     if config.server_validation_fraction == 0:
                         raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
                                          "never the test set: set server-validation-fraction > 0 in [base]")
                     trials.append(Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
                                         tuple(condition.items()), tuple(setting.items())))
     return trials
+
+
+def _shortened(mapping: dict[str, Any], full: RunConfig, rounds: int) -> dict[str, Any]:
+    """A tuning run of ``rounds`` rounds whose noise per round is the full-horizon cell's (σ calibrated for it)."""
+    if rounds >= full.rounds:
+        return mapping
+    if full.target_epsilon == 0:
+        return {**mapping, "rounds": rounds}
+    return {**mapping, "rounds": rounds, "target-epsilon": 0.0, "noise-multiplier": _full_horizon_sigma(full)}
+
+
+def _full_horizon_sigma(config: RunConfig) -> float:
+    if config.calibration_inputs not in _SIGMAS:
+        _SIGMAS[config.calibration_inputs] = config.calibrated().noise_multiplier
+    return _SIGMAS[config.calibration_inputs]
+
+
+_SIGMAS: dict[tuple[Any, ...], float] = {}  # calibrations are seconds each; many trials share one
 
 
 def _cell_config(cell_id: str, mapping: dict[str, Any], folder: Path) -> RunConfig:
@@ -311,7 +335,11 @@ def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
     last_rounds = raw.get("last-rounds", 5)
     if not (isinstance(last_rounds, int) and not isinstance(last_rounds, bool) and last_rounds >= 1):
         raise SweepError(f"[tune] last-rounds={last_rounds!r} is not allowed; expected an integer ≥ 1")
-    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds)
+    rounds = raw.get("rounds", 0)
+    if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= last_rounds) and rounds != 0:
+        raise SweepError(f"[tune] rounds={rounds!r} is not allowed; expected 0 (as long as the cells) or an "
+                         f"integer ≥ last-rounds ({last_rounds})")
+    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds)
 
 
 def _tune_grid(where: str, table: dict[str, Any], base: dict[str, Any], grid: dict[str, list[Any]]
