@@ -78,9 +78,11 @@ def train(msg: Message, context: Context) -> Message:
             protocol.METRICS: MetricRecord({protocol.PARTITION_ID: partition_id, "dpsgd-epsilon": privacy.epsilon}),
         }), reply_to=msg)
     if config.aggregator == "flower-dp":
+        from .flower_baseline import flower_dp_reply  # the server-side baseline's module, only when it runs
+
         work = _local_work(msg, config, partition_id, server_round, with_term=False)
-        return _reply_to_flower_dp(msg, work.global_state, work.update, config.server_learning_rate,
-                                   work.metrics["train-loss"])
+        return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
+                               float(work.metrics["train-loss"]))
     work = _local_work(msg, config, partition_id, server_round, with_term=config.mechanism == "hog")
     records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(work.update))})
     if work.term is not None:
@@ -185,16 +187,6 @@ def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig
                              config.momentum, bits, config.dpsgd_settings, load_accountant_state(path))
     save_accountant_state(path, privacy.accountant_state)
     return privacy
-
-
-def _reply_to_flower_dp(msg: Message, global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor],
-                        server_learning_rate: float, train_loss: float) -> Message:
-    """FedAvg's reply: θ + η·Δ (Flower's wrapper clips the change at η·C) and an equal weight."""
-    from .flower_baseline import REPLY_KEY, WEIGHT_KEY
-
-    arrays = {k: global_state[k] + server_learning_rate * delta for k, delta in update.items()}
-    metrics = MetricRecord({WEIGHT_KEY: 1, "train-loss": _finite_or(train_loss, -1.0)})
-    return Message(RecordDict({REPLY_KEY: ArrayRecord(_to_cpu(arrays)), protocol.METRICS: metrics}), reply_to=msg)
 
 
 def third_order_term(

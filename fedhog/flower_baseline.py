@@ -26,19 +26,30 @@ from collections.abc import Callable
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import ArrayRecord, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid, RdpAccountant
 from flwr.serverapp.exception import PrivacyBudgetExhausted
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from . import protocol
 from .config import RunConfig
 from .privacy.calibration import unamplified_privacy_config
 from .strategy import RoundRecord
 
 REPLY_KEY = "arrays"  # the client's θ + η·Δ, the one ArrayRecord FedAvg accepts
 WEIGHT_KEY = "fedavg-weight"  # every client replies 1: accounted FedAvg needs equal weights
+
+
+def flower_dp_reply(msg: Message, global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor],
+                    server_learning_rate: float, train_loss: float) -> Message:
+    """A client's FedAvg reply: θ + η·Δ (the wrapper clips the change at η·C) and an equal weight."""
+    arrays = {k: (global_state[k] + server_learning_rate * delta).detach().cpu().contiguous()
+              for k, delta in update.items()}
+    metrics = MetricRecord({WEIGHT_KEY: 1, "train-loss": train_loss if math.isfinite(train_loss) else -1.0})
+    return Message(RecordDict({REPLY_KEY: ArrayRecord(arrays), protocol.METRICS: metrics}), reply_to=msg)
 
 
 def build_flower_dp_strategy(

@@ -4,10 +4,13 @@
 SecureAggregator; discovery and any message go through the real ClientApp)
 that also offers ``train_cohort``: the strategy hands it the round's cohort
 and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
-instead of one message per client. Sampling, validation of the results, the
+instead of one message per client. Flower's own strategy (the ``flower-dp``
+baseline) sends one train message per client: ``send_and_receive`` trains
+such a batch of messages at once and answers each as the ClientApp would.
+Sampling, validation of the results, the
 mechanism, accounting, results folder, checkpoints and metrics are the
 strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
-``hog-step`` optimizer, Flower's DP baseline, secure aggregation, a user's model with buffers)
+``hog-step`` optimizer, secure aggregation, a user's model with buffers)
 runs client by client, as on ``--engine inprocess``, and the run says so. A
 user's model must also be a function ``torch.func.vmap`` can batch: no
 data-dependent Python control flow, no ``.item()``, no in-place updates of
@@ -16,10 +19,12 @@ its inputs; one that is not fails in the first round, naming vmap's reason.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterable, Mapping
 from logging import WARNING
 
-from flwr.app import ArrayRecord, Context, RecordDict
+import torch
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import ServerApp
@@ -41,8 +46,6 @@ def unbatchable_reason(config: RunConfig) -> str | None:
         return "client-dp='dpsgd' trains each client with Opacus"
     if config.optimizer == "hog-step":
         return "optimizer='hog-step' sizes each client's steps from its own derivatives"
-    if config.aggregator == "flower-dp":
-        return "aggregator='flower-dp' is Flower's own strategy, which sends one message per client"
     if config.secure_aggregation != "off":
         return (f"secure-aggregation={config.secure_aggregation!r} runs the protocol's stages with every client, "
                 "each masking its own contribution")
@@ -65,6 +68,33 @@ class VectorizedGrid(InProcessGrid):
         self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
         self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
                     if config.mechanism == "hog" else None)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """The baseline's train messages (one model for every node) train as one batch; other messages one by one."""
+        messages = list(messages)
+        if self.config.aggregator != "flower-dp" or not messages or any(
+                m.metadata.message_type != MessageType.TRAIN for m in messages):
+            return super().send_and_receive(messages, timeout=timeout)
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            message.metadata.__dict__["_run_id"] = self.run.run_id
+        return [self._transport(reply) for reply in self._train_for_flower([self._transport(m) for m in messages])]
+
+    def _train_for_flower(self, messages: list[Message]) -> list[Message]:
+        from .flower_baseline import flower_dp_reply
+
+        arrays = messages[0].content["arrays"]
+        if any(m.content["arrays"] != arrays for m in messages):
+            raise ValueError("flower-dp: the strategy sent different models in one round; they cannot train as one batch")
+        server_round = int(messages[0].content["config"][protocol.SERVER_ROUND])
+        partitions = [self.partition_of_node[m.metadata.dst_node_id] for m in messages]
+        seeds = [direction_seed(self.config.seed, server_round, p) for p in partitions]
+        start = arrays.to_torch_state_dict()
+        work = self.trainer.train(start, partitions, seeds, self.config.local_epochs, self.config.batch_size,
+                                  self.config.learning_rate, self.config.momentum, None)
+        return [flower_dp_reply(message, start, _unflatten(work.updates[k], start), self.config.server_learning_rate,
+                                work.mean_losses[k])
+                for k, message in enumerate(messages)]
 
     def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
         """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
@@ -89,6 +119,15 @@ class VectorizedGrid(InProcessGrid):
                 term = work.terms[k] if work.term_finite[k] else None
             results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
         return results
+
+
+def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A flat ``[P]`` row as tensors shaped and ordered like ``like``."""
+    out, start = {}, 0
+    for key, tensor in like.items():
+        out[key] = flat[start:start + tensor.numel()].view_as(tensor).to(tensor.dtype)
+        start += tensor.numel()
+    return out
 
 
 def run_vectorized(server_app: ServerApp, client_app: ClientApp, config: RunConfig) -> None:

@@ -119,6 +119,7 @@ CONFIGS = {
     "hog-control": {"mechanism": "hog", "hog-term": "random"},
     "adaptive-clipping": {"adaptive-clipping": True, "count-noise-std": 1.0},
     "cnn-hog-fixed": {"model": "cnn2d", "mechanism": "hog", "sampling": "fixed", "momentum": 0.0},
+    "flower-dp": {"aggregator": "flower-dp", "sampling": "fixed", "accountant": "rdp", "server-learning-rate": 2.0},
 }
 
 
@@ -146,6 +147,7 @@ def test_what_cannot_be_batched_runs_client_by_client(tmp_path, caplog):
     config = {"client-dp": "dpsgd", "rounds": 2}
     assert "Opacus" in unbatchable_reason(_config(**config))
     assert unbatchable_reason(_config()) is None
+    assert unbatchable_reason(_config(**CONFIGS["flower-dp"])) is None  # its train messages train as one batch
     with caplog.at_level(logging.WARNING):
         vectorized, model_v = _run("vectorized", tmp_path, **config)
     assert "run one by one" in caplog.text
