@@ -1,0 +1,137 @@
+"""Distributed noise (``noise = "distributed"``): each client adds its share of discrete Gaussian noise.
+
+Under SecAgg+ with central noise the server unmasks the exact sum before
+noising it. Here every client adds d i.i.d. N_ℤ(0, σ_l²) (lattice steps) to
+its quantised contribution before masking, so the server only ever unmasks
+a noised sum and adds nothing (Kairouz, Liu & Steinke 2021). The plan —
+the lattice, the m clients whose noise the accountant counts and σ_l — is a
+function of public config and the model's dimension only: every client
+computes the same one and needs nothing secret (or trusted) from the server.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..privacy.distributed_gaussian import (
+    DdgAccounting,
+    DistributedGaussianAccountant,
+    MIN_SHARES,
+    few_contributors_delta,
+    l2_sensitivity,
+    poisson_noise_shares,
+)
+from ..privacy.randomness import RandomBits, discrete_gaussian
+from .quantization import ModularLattice
+
+
+@dataclass(frozen=True)
+class DistributedNoise:
+    """What every client adds and what the accountant counts, fixed before the run.
+
+    Parameters
+    ----------
+    lattice : ModularLattice
+        g and M for the largest cohort, with room for its noise.
+    clipping_norm : float
+        C.
+    local_std : float
+        σ_l, each client's discrete Gaussian std in lattice steps.
+    shares : int
+        m: a sum of fewer contributions is never unmasked.
+    dimension : int
+        d.
+    sampling_rate : float
+        q of Poisson sampling, whose amplification the accountant uses; 1 for
+        fixed-size sampling (no amplification, replace-one: sensitivity 2Δ₂).
+    accountant_delta : float
+        The δ at which ε is reported: the run's δ less ``few_contributors_delta``.
+    few_contributors_delta : float
+        T·P[Bin(N−1, q) ≤ m−1] under Poisson sampling (0 for fixed-size).
+    """
+
+    lattice: ModularLattice
+    clipping_norm: float
+    local_std: float
+    shares: int
+    dimension: int
+    sampling_rate: float
+    accountant_delta: float
+    few_contributors_delta: float
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """Δ₂ = C/g + √d in lattice steps (a rounded contribution's L2 bound)."""
+        return l2_sensitivity(self.clipping_norm, self.lattice.granularity, self.dimension)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The equivalent total noise multiplier: the std of m shares over Δ₂."""
+        return math.sqrt(self.shares) * self.local_std / self.l2_sensitivity
+
+    @property
+    def accounting(self) -> DdgAccounting:
+        """The accountant's view of one release."""
+        replace_one = 2.0 if self.sampling_rate == 1 else 1.0
+        return DdgAccounting(replace_one * self.l2_sensitivity, self.dimension, self.shares, self.sampling_rate)
+
+    def accountant(self) -> DistributedGaussianAccountant:
+        """A fresh accountant of this run's releases."""
+        return DistributedGaussianAccountant(self.accounting, self.local_std, self.accountant_delta)
+
+    def sample(self, bits: RandomBits) -> np.ndarray:
+        """One client's noise share: d draws of N_ℤ(0, σ_l²) from its own stream (int64)."""
+        return discrete_gaussian(bits, self.dimension, self.local_std)
+
+    def record(self) -> dict[str, object]:
+        """What ``metrics.json`` says of the noise (public figures only)."""
+        return {"noise": "distributed", "noise_shares": self.shares, "local_noise_std_steps": self.local_std,
+                "granularity": self.lattice.granularity, "total_noise_multiplier": self.noise_multiplier,
+                "accountant_delta": self.accountant_delta, "few_contributors_delta": self.few_contributors_delta}
+
+
+@lru_cache(maxsize=8)
+def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: int, sampling: str,
+                           sampling_rate: float, population: int, threshold: float, rounds: int, delta: float,
+                           target_epsilon: float, noise_multiplier: float) -> DistributedNoise:
+    """The plan of a run, from public config and the model's dimension (the same on the server and every client).
+
+    m: ``max(2, ⌈threshold·K⌉)`` for fixed-size sampling; under Poisson sampling
+    the largest m ≥ 2 whose binomial tail over the run stays within δ/10.
+    σ_l: calibrated so that ε after ``rounds`` releases at the accountant's δ
+    meets ``target_epsilon`` (when > 0), else ``noise_multiplier``·Δ₂/√m (the
+    sum of m shares carries the std the central mode adds). g: the finest
+    power of two whose range holds the largest cohort and its noise
+    (:meth:`ModularLattice.for_cohort`), each candidate g with its own σ_l.
+
+    Raises
+    ------
+    ValueError
+        If no m ≥ 2 fits δ (Poisson), or no g leaves 2 levels per contribution.
+    """
+    cohort = int(round(sampling_rate * population))
+    if sampling == "poisson":
+        largest, rate = population, sampling_rate
+        shares = poisson_noise_shares(sampling_rate, population, rounds, delta)
+    else:
+        largest, rate = cohort, 1.0
+        shares = max(MIN_SHARES, math.ceil(threshold * cohort))
+    few = few_contributors_delta(sampling, sampling_rate, population, rounds, shares)
+    accountant_delta = delta - few
+    stds: dict[float, float] = {}
+
+    def local_std(granularity: float) -> float:
+        if granularity not in stds:
+            noise = DistributedNoise(ModularLattice(modulus_bits, granularity, largest), clipping_norm, 1.0, shares,
+                                     dimension, rate, accountant_delta, few)
+            stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, accountant_delta)
+                                 if target_epsilon > 0 else noise_multiplier * noise.l2_sensitivity / math.sqrt(shares))
+        return stds[granularity]
+
+    lattice = ModularLattice.for_cohort(clipping_norm, largest, modulus_bits,
+                                        noise_std=lambda g: math.sqrt(largest) * local_std(g))
+    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, rate, accountant_delta, few)
