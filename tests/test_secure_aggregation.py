@@ -25,7 +25,8 @@ from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
 from fedhog.privacy.randomness import SeededBits
 from fedhog.secure_aggregation.client import SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
-from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
+from fedhog.privacy.distributed_gaussian import few_contributors_delta
+from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
 from fedhog.server_app import app as server_app
 from fedhog.vectorized import unbatchable_reason
 
@@ -80,7 +81,7 @@ def _secure_app(levels: dict[int, np.ndarray]) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         mine = levels[int(context.node_config["partition-id"])]
-        return handle_stage(msg, context, lambda cohort, bits: ModularLattice.for_cohort(CLIP, cohort, bits).encode(mine))
+        return handle_stage(msg, context, lambda bits: ModularLattice.for_cohort(CLIP, len(levels), bits).encode(mine))
 
     return app
 
@@ -90,7 +91,7 @@ def _run_sum(n: int, drop_at: str | None = None, drop: tuple[int, ...] = (), num
     levels = _contributions(n)
     grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=drop_at, drop=drop)
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
-    settings = SecAggSettings(num_shares, threshold, 32, CLIP)
+    settings = SecAggSettings(num_shares, threshold, ModularLattice.for_cohort(CLIP, n, 32), CLIP)
     return grid, levels, lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION, settings, 10, "1")
 
 
@@ -196,7 +197,8 @@ def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound
     assert n == trusted["rounds"][0]["clients_accepted"] == 6 and secure["rounds"][0]["epsilon"] == \
         trusted["rounds"][0]["epsilon"]
     dimension = sum(v.numel() for v in secure_model.values())
-    g = ModularLattice.for_cohort(0.5, n, 32).granularity
+    g = secure["privacy"]["secagg_granularity"]  # g of the largest cohort: K = 6 under fixed-size sampling
+    assert g == ModularLattice.for_cohort(0.5, 6, 32).granularity
     # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,
     # and with noise the same normals Z (|Z| ≤ 13.37) rounded on the two lattices at stds that differ by σ·g√d
     # (K = 6), then float32 rounds ū and θ + ū: half a unit in the last place each, in both modes
@@ -246,10 +248,10 @@ def test_the_vectorized_engine_runs_secure_mode_client_by_client():
 
 
 def test_small_cohort_delta_is_the_probability_that_poisson_sampling_leaves_fewer_than_two():
-    assert small_cohort_delta("fixed", 0.1, 100, 30) == 0.0
+    assert few_contributors_delta("fixed", 0.1, 100, 30) == 0.0
     q, n = 0.2, 40
     one_round = (1 - q) ** (n - 1) + (n - 1) * q * (1 - q) ** (n - 2)
-    assert small_cohort_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
+    assert few_contributors_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
 
 
 def test_no_secret_of_the_protocol_reaches_the_results_folder_or_the_log(tmp_path, caplog):

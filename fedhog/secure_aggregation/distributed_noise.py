@@ -74,10 +74,20 @@ class DistributedNoise:
         return math.sqrt(self.shares) * self.local_std / self.l2_sensitivity
 
     @property
+    def accountant_noise_multiplier(self) -> float:
+        """The equivalent noise multiplier as the accountant sees it: halved for replace-one (fixed-size sampling)."""
+        return self.noise_multiplier / self._relation_factor
+
+    @property
     def accounting(self) -> DdgAccounting:
         """The accountant's view of one release."""
-        replace_one = 2.0 if self.sampling_rate == 1 else 1.0
-        return DdgAccounting(replace_one * self.l2_sensitivity, self.dimension, self.shares, self.sampling_rate)
+        return DdgAccounting(self._relation_factor * self.l2_sensitivity, self.dimension, self.shares,
+                             self.sampling_rate)
+
+    @property
+    def _relation_factor(self) -> float:
+        """Sensitivity ÷ Δ₂: 1 for add/remove-one (Poisson), 2 for replace-one (fixed-size, q = 1)."""
+        return 2.0 if self.sampling_rate == 1 else 1.0
 
     def accountant(self) -> DistributedGaussianAccountant:
         """A fresh accountant of this run's releases."""
