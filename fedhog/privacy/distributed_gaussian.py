@@ -47,6 +47,7 @@ ORDERS: tuple[int, ...] = tuple(range(2, 257))  # integer orders: Zhu & Wang's b
 MIN_SHARES = 2
 TAIL_SHARE_OF_DELTA = 0.1  # the binomial tail of Poisson sampling may take at most this share of δ
 _MAX_BISECTION_STEPS = 200
+_MAX_STD = 2.0**60  # σ_l is searched in [2⁻⁶⁰, 2⁶⁰] lattice steps
 
 
 def l2_sensitivity(clipping_norm: float, granularity: float, dimension: int) -> float:
@@ -193,15 +194,15 @@ class DdgAccounting:
         """The σ_l whose ε after ``releases`` at δ is in [(1 − tolerance)·target, target] (bisection on log σ_l)."""
         if not (math.isfinite(target_epsilon) and target_epsilon > 0):
             raise ValueError(f"target_epsilon={target_epsilon!r} must be positive and finite")
-        low, high = 1e-3, 1.0
+        low = high = 1.0
         while self.epsilon(high, releases, delta) > target_epsilon:
             low, high = high, high * 2
-            if high > 1e15:
-                raise ValueError(f"target_epsilon={target_epsilon!r} is out of reach below σ_l = 1e15")
-        while self.epsilon(low, releases, delta) <= target_epsilon:
+            if high > _MAX_STD:
+                raise ValueError(f"target_epsilon={target_epsilon!r} is out of reach below σ_l = {_MAX_STD:g}")
+        while low == high or self.epsilon(low, releases, delta) <= target_epsilon:
             low /= 2
-            if low < 1e-12:
-                return low
+            if low < 1 / _MAX_STD:
+                raise ValueError(f"target_epsilon={target_epsilon!r} is met even at σ_l = {low:g}")
         for _ in range(_MAX_BISECTION_STEPS):
             if self.epsilon(high, releases, delta) >= (1 - tolerance) * target_epsilon:
                 break
