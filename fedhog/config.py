@@ -362,6 +362,8 @@ class RunConfig:
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
         the target, for this sampling and accountant (a bisection on the accountant);
         with ``aggregator = "flower-dp"`` as Flower's wrapper accounts it (RDP, no amplification).
+        With ``noise = "distributed"`` itself: the clients' σ_l is calibrated with the lattice
+        (:meth:`secure_plan`), which needs the model's dimension.
         """
         if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self

@@ -238,13 +238,11 @@ def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | Non
     """What ``metrics.json`` says of secure aggregation (nothing when it is off): its δ charges, its noise."""
     if settings is None:
         return {}
-    record: dict[str, object] = {"secure_aggregation": config.secure_aggregation,
-                                 "secagg_granularity": settings.lattice.granularity,
-                                 "secagg_small_cohort_delta": few_contributors_delta(
-                                     config.sampling, config.sampling_rate, config.population, config.rounds)}
+    record = {"secure_aggregation": config.secure_aggregation, "secagg_granularity": settings.lattice.granularity}
     if settings.noise is None:
-        return {**record, "noise": "central"}
-    noise = settings.noise  # the equivalent σ replaces the config's (which a target-epsilon leaves at its default)
+        return {**record, "noise": "central", "secagg_small_cohort_delta": few_contributors_delta(
+            config.sampling, config.sampling_rate, config.population, config.rounds)}
+    noise = settings.noise  # its δ charge (m shares) covers SecAgg+'s own floor of 2; its σ replaces the config's
     return {**record, **noise.record(), "noise_multiplier": noise.noise_multiplier}
 
 

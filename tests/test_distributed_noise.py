@@ -172,7 +172,8 @@ def test_the_plan_holds_the_largest_cohort_and_its_noise_in_range(sampling, rate
     noiseless = ModularLattice.for_cohort(1.0, largest, 32)
     if lattice.granularity > noiseless.granularity:
         half = DistributedNoise(ModularLattice(32, lattice.granularity / 2, largest), 1.0, 1.0, plan.shares, 5000,
-                                plan.sampling_rate, plan.accountant_delta, plan.few_contributors_delta)
+                                plan.sampling_rate, plan.replace_one, plan.accountant_delta,
+                                plan.few_contributors_delta)
         std_at_half = half.accounting.calibrate(4.0, 50, plan.accountant_delta)
         assert largest * (2 * levels + 1) + WRAP_STDS * math.sqrt(largest) * std_at_half >= lattice.modulus // 2
     assert finer(1.0, 5000, 32, sampling, rate, population, 0.66, 50, 1e-5, 4.0, 0.0) == plan
@@ -210,7 +211,7 @@ def test_the_server_never_unmasks_fewer_than_m_noise_shares():
     n = 7  # t = ⌈0.66·7⌉ = 5 shares suffice to unmask; m = 6 noise shares are what the accountant counts
     levels = _contributions(n)
     lattice = ModularLattice.for_cohort(CLIP, n, 32)
-    noise = DistributedNoise(lattice, CLIP, 1.0, 6, DIMENSION, 1.0, 1e-3, 0.0)
+    noise = DistributedNoise(lattice, CLIP, 1.0, 6, DIMENSION, 1.0, True, 1e-3, 0.0)
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
     for dropped, fails in ((1, False), (2, True)):
         grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=Stage.COLLECT_MASKED_VECTORS, drop_count=dropped)
@@ -326,3 +327,12 @@ def test_under_poisson_sampling_g_is_the_populations_not_the_sampled_cohorts(tmp
     assert privacy["few_contributors_delta"] == pytest.approx(binom.cdf(plan.shares - 1, 11, 0.5), rel=1e-12)
     central, _, _ = _run(tmp_path, "poisson-central", **overrides, noise="central")
     assert central["privacy"]["secagg_granularity"] == ModularLattice.for_cohort(0.5, 12, 32).granularity
+
+
+def test_poisson_sampling_is_accounted_add_remove_and_fixed_size_replace_one():
+    poisson = plan_distributed_noise(1.0, 100, 32, "poisson", 1.0, 50, 0.66, 1, 1e-3, 0.0, 1.0)
+    assert not poisson.replace_one and poisson.accounting.l2 == poisson.l2_sensitivity
+    assert poisson.shares == 49  # q = 1: the other 49 clients are always there
+    fixed = plan_distributed_noise(1.0, 100, 32, "fixed", 1.0, 50, 0.66, 1, 1e-3, 0.0, 1.0)
+    assert fixed.replace_one and fixed.accounting.l2 == 2 * fixed.l2_sensitivity and fixed.shares == 33
+    assert fixed.accountant_noise_multiplier == pytest.approx(fixed.noise_multiplier / 2) == pytest.approx(0.5)

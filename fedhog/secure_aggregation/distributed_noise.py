@@ -47,7 +47,9 @@ class DistributedNoise:
         d.
     sampling_rate : float
         q of Poisson sampling, whose amplification the accountant uses; 1 for
-        fixed-size sampling (no amplification, replace-one: sensitivity 2Δ₂).
+        fixed-size sampling (no amplification).
+    replace_one : bool
+        Fixed-size sampling's neighbouring relation: sensitivity 2Δ₂ (add/remove-one: Δ₂).
     accountant_delta : float
         The δ at which ε is reported: the run's δ less ``few_contributors_delta``.
     few_contributors_delta : float
@@ -60,6 +62,7 @@ class DistributedNoise:
     shares: int
     dimension: int
     sampling_rate: float
+    replace_one: bool
     accountant_delta: float
     few_contributors_delta: float
 
@@ -86,8 +89,8 @@ class DistributedNoise:
 
     @property
     def _relation_factor(self) -> float:
-        """Sensitivity ÷ Δ₂: 1 for add/remove-one (Poisson), 2 for replace-one (fixed-size, q = 1)."""
-        return 2.0 if self.sampling_rate == 1 else 1.0
+        """Sensitivity ÷ Δ₂: 1 for add/remove-one (Poisson), 2 for replace-one (fixed-size)."""
+        return 2.0 if self.replace_one else 1.0
 
     def accountant(self) -> DistributedGaussianAccountant:
         """A fresh accountant of this run's releases."""
@@ -137,11 +140,12 @@ def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: i
     def local_std(granularity: float) -> float:
         if granularity not in stds:
             noise = DistributedNoise(ModularLattice(modulus_bits, granularity, largest), clipping_norm, 1.0, shares,
-                                     dimension, rate, accountant_delta, few)
+                                     dimension, rate, sampling != "poisson", accountant_delta, few)
             stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, accountant_delta)
                                  if target_epsilon > 0 else noise_multiplier * noise.l2_sensitivity / math.sqrt(shares))
         return stds[granularity]
 
     lattice = ModularLattice.for_cohort(clipping_norm, largest, modulus_bits,
                                         noise_std=lambda g: math.sqrt(largest) * local_std(g))
-    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, rate, accountant_delta, few)
+    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, rate,
+                            sampling != "poisson", accountant_delta, few)

@@ -15,7 +15,8 @@ Error of the released sum against the unquantised one: each coordinate is
 off by less than n·g (and by g·√(n/4) in standard deviation, the rounding
 being unbiased); in L2, less than n·g·√d. Sensitivity: one contribution's
 lattice vector has norm at most C + g√d, which is what the server's noise is
-calibrated to (:attr:`ModularLattice.noise_lattice`).
+calibrated to (:attr:`ModularLattice.noise_lattice`); with distributed noise
+the range also holds the noise of the largest cohort (:meth:`ModularLattice.for_cohort`).
 """
 
 from __future__ import annotations
