@@ -61,7 +61,8 @@ def l1_sensitivity(l2: float, dimension: int) -> float:
 
 
 def log_tau(local_std: float, shares: int) -> float:
-    """log τ, τ = 10·Σ_{k=1}^{m−1} exp(−2π²σ_l²·k/(k+1)) (−inf when m = 1; underflows cleanly to −inf)."""
+    """log τ, τ = 10·Σ_{k=1}^{m−1} exp(−2π²σ_l²·k/(k+1)), by log-sum-exp: finite however large σ_l is
+    (τ = exp(log τ) then underflows cleanly to 0); −inf when m = 1."""
     if shares < 2:
         return -math.inf
     k = np.arange(1, shares, dtype=np.float64)
