@@ -238,9 +238,9 @@ class RunConfig:
         from .secure_aggregation.distributed_noise import plan_distributed_noise  # dp_accounting, scipy
 
         def plan(bits: int) -> DistributedNoise:
-            return plan_distributed_noise(self.clipping_norm, dimension, bits, self.sampling, self.sampling_rate,
-                                          self.population, self.secagg_threshold, self.rounds, self.delta,
-                                          self.target_epsilon, self.noise_multiplier)
+            return plan_distributed_noise(self.clipping_norm, dimension, bits, self.expected_cohort,
+                                          self.secagg_threshold, self.rounds, self.delta, self.target_epsilon,
+                                          self.noise_multiplier)
 
         try:
             noise = plan(self.secagg_modulus_bits)
@@ -428,19 +428,15 @@ class RunConfig:
             self._validate_distributed_noise()
 
     def _validate_distributed_noise(self) -> None:
-        """Clients' noise needs a noise level, and under Poisson sampling enough clients for m ≥ 2 within δ/10."""
+        """Clients' noise needs a noise level and fixed-size cohorts (see :mod:`fedhog.privacy.distributed_gaussian`)."""
         if self.noise_multiplier == 0 and self.target_epsilon == 0:
             raise ConfigError("noise=\"distributed\" needs noise-multiplier > 0 or a target-epsilon "
                               "(noise-multiplier=0.0: the clients would add no noise)")
-        if self.sampling == "poisson":
-            from .privacy.distributed_gaussian import poisson_noise_shares  # scipy
-
-            try:
-                poisson_noise_shares(self.sampling_rate, self.population, self.rounds, self.delta)
-            except ValueError as error:
-                raise ConfigError(f"noise=\"distributed\" is not allowed with sampling-rate={self.sampling_rate:g}, "
-                                  f"population={self.population}, delta={self.delta:g}: {error}; expected a larger "
-                                  "population or rate, a larger delta, or sampling=\"fixed\"") from None
+        if self.sampling != "fixed":
+            raise ConfigError(f"noise=\"distributed\" is not allowed with sampling={toml_value(self.sampling)}; "
+                              "expected sampling=\"fixed\": under Poisson sampling a client brings its own noise "
+                              "share or not, so neighbouring outputs differ in their noise as well, which the "
+                              "distributed discrete Gaussian's accounting does not bound")
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":

@@ -25,8 +25,7 @@ from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, client_error_summary, default_results_dir
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
-from .privacy.distributed_gaussian import few_contributors_delta
-from .secure_aggregation.server import SecAggSettings
+from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 
@@ -240,9 +239,9 @@ def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | Non
         return {}
     record = {"secure_aggregation": config.secure_aggregation, "secagg_granularity": settings.lattice.granularity}
     if settings.noise is None:
-        return {**record, "noise": "central", "secagg_small_cohort_delta": few_contributors_delta(
+        return {**record, "noise": "central", "secagg_small_cohort_delta": small_cohort_delta(
             config.sampling, config.sampling_rate, config.population, config.rounds)}
-    noise = settings.noise  # its δ charge (m shares) covers SecAgg+'s own floor of 2; its σ replaces the config's
+    noise = settings.noise  # fixed-size cohorts only (K ≥ 2): no small-cohort δ; its σ replaces the config's
     return {**record, **noise.record(), "noise_multiplier": noise.noise_multiplier}
 
 

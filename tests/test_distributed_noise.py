@@ -19,7 +19,6 @@ from dp_accounting.rdp import RdpAccountant
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from scipy import stats
-from scipy.stats import binom
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -28,11 +27,8 @@ from fedhog.privacy.distributed_gaussian import (
     ORDERS,
     DdgAccounting,
     ddg_rdp,
-    few_contributors_delta,
     l1_sensitivity,
     log_tau,
-    poisson_noise_shares,
-    poisson_subsampled_rdp,
 )
 from fedhog.privacy.randomness import SecureBits, SeededBits, discrete_gaussian
 from fedhog.secure_aggregation.distributed_noise import DistributedNoise, plan_distributed_noise
@@ -113,20 +109,8 @@ def test_tau_underflows_to_zero_and_then_the_rdp_is_the_gaussians():
     assert l1_sensitivity(l2, dimension) == l2 * math.sqrt(dimension) and l1_sensitivity(3.0, 100) == 9.0
 
 
-@pytest.mark.parametrize("rate", [0.01, 0.1, 0.5])
-def test_the_subsampled_bound_lies_between_the_exact_gaussian_and_the_unamplified_curve(rate):
-    z = 1.3
-    unamplified = ddg_rdp(1000.0, 10, 1000.0 * math.sqrt(10) / z, 100)  # τ = 0: the Gaussian of multiplier z
-    bound = poisson_subsampled_rdp(unamplified, rate)
-    exact = RdpAccountant(orders=list(ORDERS)).compose(
-        dp_event.PoissonSampledDpEvent(rate, dp_event.GaussianDpEvent(z))).rdp
-    assert np.all(bound >= exact * (1 - 1e-12)) and np.all(bound <= unamplified)
-    assert bound[0] < unamplified[0]  # it does amplify
-    assert np.array_equal(poisson_subsampled_rdp(unamplified, 1.0), unamplified)
-
-
 def test_without_sampling_the_epsilon_is_dp_accountings_gaussian_composed_t_times():
-    accounting = DdgAccounting(l2=800.0, dimension=1000, shares=16, sampling_rate=1.0)
+    accounting = DdgAccounting(l2=800.0, dimension=1000, shares=16)
     sigma, rounds, delta = 400.0, 25, 1e-6
     s2 = accounting.l2 / (math.sqrt(accounting.shares) * sigma)
     reference = RdpAccountant(orders=list(ORDERS)).compose(dp_event.GaussianDpEvent(1 / s2), rounds)
@@ -134,9 +118,8 @@ def test_without_sampling_the_epsilon_is_dp_accountings_gaussian_composed_t_time
     assert accounting.epsilon(sigma, 0, delta) == 0.0
 
 
-@pytest.mark.parametrize("rate", [1.0, 0.1])
-def test_calibration_meets_the_target_within_one_percent_and_sigma_falls_as_epsilon_grows(rate):
-    accounting = DdgAccounting(l2=2000.0, dimension=5000, shares=30, sampling_rate=rate)
+def test_calibration_meets_the_target_within_one_percent_and_sigma_falls_as_epsilon_grows():
+    accounting = DdgAccounting(l2=2000.0, dimension=5000, shares=30)
     sigmas = []
     for target in (1.0, 4.0, 16.0):
         sigma = accounting.calibrate(target, 50, 1e-5)
@@ -145,21 +128,10 @@ def test_calibration_meets_the_target_within_one_percent_and_sigma_falls_as_epsi
     assert sigmas[0] > sigmas[1] > sigmas[2]
 
 
-def test_noise_shares_are_the_largest_m_whose_binomial_tail_fits_a_tenth_of_delta():
-    q, population, rounds, delta = 0.1, 1000, 80, 1e-5
-    m = poisson_noise_shares(q, population, rounds, delta)
-    assert rounds * binom.cdf(m - 1, population - 1, q) <= delta / 10 < rounds * binom.cdf(m, population - 1, q)
-    assert few_contributors_delta("poisson", q, population, rounds, m) == pytest.approx(
-        rounds * binom.cdf(m - 1, population - 1, q), rel=1e-12)
-    with pytest.raises(ValueError, match="even 2 noise shares"):
-        poisson_noise_shares(0.5, 20, 30, 1e-3)
-
-
 # --- the lattice and the plan ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("sampling, rate, population", [("poisson", 0.1, 1000), ("fixed", 0.5, 40)])
-def test_the_plan_holds_the_largest_cohort_and_its_noise_in_range(sampling, rate, population):
-    plan = plan_distributed_noise(1.0, 5000, 32, sampling, rate, population, 0.66, 50, 1e-5, 4.0, 0.0)
-    largest = population if sampling == "poisson" else int(rate * population)
+@pytest.mark.parametrize("largest", [20, 1000])
+def test_the_plan_holds_the_cohort_and_its_noise_in_range(largest):
+    plan = plan_distributed_noise(1.0, 5000, 32, largest, 0.66, 50, 1e-5, 4.0, 0.0)
     lattice = plan.lattice
     assert lattice.cohort == largest
     levels = 1.0 / lattice.granularity
@@ -172,12 +144,11 @@ def test_the_plan_holds_the_largest_cohort_and_its_noise_in_range(sampling, rate
     noiseless = ModularLattice.for_cohort(1.0, largest, 32)
     if lattice.granularity > noiseless.granularity:
         half = DistributedNoise(ModularLattice(32, lattice.granularity / 2, largest), 1.0, 1.0, plan.shares, 5000,
-                                plan.sampling_rate, plan.replace_one, plan.accountant_delta,
-                                plan.few_contributors_delta)
-        std_at_half = half.accounting.calibrate(4.0, 50, plan.accountant_delta)
+                                plan.delta)
+        std_at_half = half.accounting.calibrate(4.0, 50, plan.delta)
         assert largest * (2 * levels + 1) + WRAP_STDS * math.sqrt(largest) * std_at_half >= lattice.modulus // 2
-    assert finer(1.0, 5000, 32, sampling, rate, population, 0.66, 50, 1e-5, 4.0, 0.0) == plan
-    assert 0.99 * 4.0 <= plan.accountant().accounting.epsilon(plan.local_std, 50, plan.accountant_delta) <= 4.0
+    assert finer(1.0, 5000, 32, largest, 0.66, 50, 1e-5, 4.0, 0.0) == plan
+    assert 0.99 * 4.0 <= plan.accountant().accounting.epsilon(plan.local_std, 50, plan.delta) <= 4.0
     # extreme clipped contributions (C/g + 1 steps) plus the noise of the largest cohort decode to their exact sum
     bits = SeededBits(2)
     extreme = np.full(3000, int(levels) + 1)
@@ -187,11 +158,11 @@ def test_the_plan_holds_the_largest_cohort_and_its_noise_in_range(sampling, rate
 
 
 def test_a_modulus_too_small_for_the_noise_is_refused_naming_the_bits_needed():
-    config = RunConfig().with_overrides({"secure-aggregation": "secagg+", "noise": "distributed",
+    config = RunConfig().with_overrides({"secure-aggregation": "secagg+", "noise": "distributed", "sampling": "fixed",
                                          "secagg-modulus-bits": 16, "noise-multiplier": 30.0})
     with pytest.raises(ConfigError, match=r"secagg-modulus-bits=16 .* expected ≥ \d+ bits"):
         config.secure_plan(7434)
-    central = config.with_overrides({"noise": "central"})
+    central = config.with_overrides({"noise": "central", "sampling": "poisson"})
     assert central.secure_plan(7434) == (ModularLattice.for_cohort(1.0, 1000, 16), None)  # the population's g
 
 
@@ -199,8 +170,8 @@ def test_a_modulus_too_small_for_the_noise_is_refused_naming_the_bits_needed():
     ({"noise": "distributed"}, "noise=\"distributed\" is not allowed with secure-aggregation=\"off\""),
     ({"noise": "local", "secure-aggregation": "secagg+"}, "noise='local' is not allowed; expected one of central"),
     ({"noise": "distributed", "secure-aggregation": "secagg+", "noise-multiplier": 0.0}, "noise=\"distributed\" needs"),
-    ({"noise": "distributed", "secure-aggregation": "secagg+", "population": 20, "num-samples": 2000,
-      "sampling-rate": 0.5, "delta": 1e-3}, "noise=\"distributed\" is not allowed with sampling-rate=0.5"),
+    ({"noise": "distributed", "secure-aggregation": "secagg+", "sampling": "poisson"},
+     "noise=\"distributed\" is not allowed with sampling=\"poisson\"; expected sampling=\"fixed\""),
 ])
 def test_config_errors_name_the_noise_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -211,7 +182,7 @@ def test_the_server_never_unmasks_fewer_than_m_noise_shares():
     n = 7  # t = ⌈0.66·7⌉ = 5 shares suffice to unmask; m = 6 noise shares are what the accountant counts
     levels = _contributions(n)
     lattice = ModularLattice.for_cohort(CLIP, n, 32)
-    noise = DistributedNoise(lattice, CLIP, 1.0, 6, DIMENSION, 1.0, True, 1e-3, 0.0)
+    noise = DistributedNoise(lattice, CLIP, 1.0, 6, DIMENSION, 1e-3)
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
     for dropped, fails in ((1, False), (2, True)):
         grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=Stage.COLLECT_MASKED_VECTORS, drop_count=dropped)
@@ -293,7 +264,7 @@ def test_metrics_record_the_plan_and_the_epsilon_of_the_ddg_accountant(tmp_path)
     assert privacy["local_noise_std_steps"] == plan.local_std and privacy["granularity"] == lattice.granularity
     assert privacy["total_noise_multiplier"] == pytest.approx(0.5) == privacy["noise_multiplier"]
     assert privacy["accountant_noise_multiplier"] == pytest.approx(0.25)  # replace-one: sensitivity 2Δ₂
-    assert privacy["few_contributors_delta"] == 0.0 and privacy["accountant_delta"] == 1e-3
+    assert privacy["neighbouring_relation"] == "replace-one"
     accountant = plan.accountant()
     for record in metrics["rounds"]:
         accountant.compose_round()
@@ -313,26 +284,14 @@ def test_dropouts_down_to_m_release_and_below_m_fail_without_spending_epsilon(tm
     assert all(torch.equal(model[k], initial[k]) for k in initial)
 
 
-def test_under_poisson_sampling_g_is_the_populations_not_the_sampled_cohorts(tmp_path):
-    overrides = {"population": 12, "sampling": "poisson", "sampling-rate": 0.5, "delta": 0.08, "rounds": 1,
-                 "secagg-threshold": 0.3}
-    metrics, _, _ = _run(tmp_path, "poisson", **overrides)
-    privacy = metrics["privacy"]
-    config = RunConfig().with_overrides({"dataset": "digits", "model": "logreg", "clipping-norm": 0.5,
-                                         "noise-multiplier": 0.5, "secure-aggregation": "secagg+",
-                                         "noise": "distributed", **overrides})
-    lattice, plan = config.secure_plan(650)
-    assert lattice.cohort == 12 and privacy["granularity"] == lattice.granularity
-    assert privacy["noise_shares"] == plan.shares >= 2
-    assert privacy["few_contributors_delta"] == pytest.approx(binom.cdf(plan.shares - 1, 11, 0.5), rel=1e-12)
-    central, _, _ = _run(tmp_path, "poisson-central", **overrides, noise="central")
+def test_under_poisson_sampling_central_noise_takes_g_from_the_population_not_the_sampled_cohort(tmp_path):
+    overrides = {"population": 12, "sampling": "poisson", "sampling-rate": 0.5, "rounds": 1, "noise": "central"}
+    central, _, _ = _run(tmp_path, "poisson-central", **overrides)
     assert central["privacy"]["secagg_granularity"] == ModularLattice.for_cohort(0.5, 12, 32).granularity
+    assert central["rounds"][0]["clients_sampled"] != 12  # the sampled cohort is not what sized the lattice
 
 
-def test_poisson_sampling_is_accounted_add_remove_and_fixed_size_replace_one():
-    poisson = plan_distributed_noise(1.0, 100, 32, "poisson", 1.0, 50, 0.66, 1, 1e-3, 0.0, 1.0)
-    assert not poisson.replace_one and poisson.accounting.l2 == poisson.l2_sensitivity
-    assert poisson.shares == 49  # q = 1: the other 49 clients are always there
-    fixed = plan_distributed_noise(1.0, 100, 32, "fixed", 1.0, 50, 0.66, 1, 1e-3, 0.0, 1.0)
-    assert fixed.replace_one and fixed.accounting.l2 == 2 * fixed.l2_sensitivity and fixed.shares == 33
+def test_fixed_size_cohorts_are_accounted_replace_one_without_amplification():
+    fixed = plan_distributed_noise(1.0, 100, 32, 50, 0.66, 1, 1e-3, 0.0, 1.0)
+    assert fixed.accounting.l2 == 2 * fixed.l2_sensitivity and fixed.shares == 33
     assert fixed.accountant_noise_multiplier == pytest.approx(fixed.noise_multiplier / 2) == pytest.approx(0.5)

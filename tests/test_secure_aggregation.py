@@ -25,8 +25,7 @@ from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
 from fedhog.privacy.randomness import SeededBits
 from fedhog.secure_aggregation.client import SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
-from fedhog.privacy.distributed_gaussian import few_contributors_delta
-from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
+from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
 from fedhog.server_app import app as server_app
 from fedhog.vectorized import unbatchable_reason
 
@@ -248,10 +247,10 @@ def test_the_vectorized_engine_runs_secure_mode_client_by_client():
 
 
 def test_small_cohort_delta_is_the_probability_that_poisson_sampling_leaves_fewer_than_two():
-    assert few_contributors_delta("fixed", 0.1, 100, 30) == 0.0
+    assert small_cohort_delta("fixed", 0.1, 100, 30) == 0.0
     q, n = 0.2, 40
     one_round = (1 - q) ** (n - 1) + (n - 1) * q * (1 - q) ** (n - 2)
-    assert few_contributors_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
+    assert small_cohort_delta("poisson", q, n, 3) == pytest.approx(3 * one_round, rel=1e-12)
 
 
 def test_no_secret_of_the_protocol_reaches_the_results_folder_or_the_log(tmp_path, caplog):

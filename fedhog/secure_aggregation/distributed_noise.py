@@ -17,14 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..privacy.distributed_gaussian import (
-    DdgAccounting,
-    DistributedGaussianAccountant,
-    MIN_SHARES,
-    few_contributors_delta,
-    l2_sensitivity,
-    poisson_noise_shares,
-)
+from ..privacy.distributed_gaussian import MIN_SHARES, DdgAccounting, DistributedGaussianAccountant, l2_sensitivity
 from ..privacy.randomness import RandomBits, discrete_gaussian
 from .quantization import ModularLattice
 
@@ -45,15 +38,8 @@ class DistributedNoise:
         m: a sum of fewer contributions is never unmasked.
     dimension : int
         d.
-    sampling_rate : float
-        q of Poisson sampling, whose amplification the accountant uses; 1 for
-        fixed-size sampling (no amplification).
-    replace_one : bool
-        Fixed-size sampling's neighbouring relation: sensitivity 2Δ₂ (add/remove-one: Δ₂).
-    accountant_delta : float
-        The δ at which ε is reported: the run's δ less ``few_contributors_delta``.
-    few_contributors_delta : float
-        T·P[Bin(N−1, q) ≤ m−1] under Poisson sampling (0 for fixed-size).
+    delta : float
+        The δ at which ε is reported.
     """
 
     lattice: ModularLattice
@@ -61,10 +47,7 @@ class DistributedNoise:
     local_std: float
     shares: int
     dimension: int
-    sampling_rate: float
-    replace_one: bool
-    accountant_delta: float
-    few_contributors_delta: float
+    delta: float
 
     @property
     def l2_sensitivity(self) -> float:
@@ -78,23 +61,17 @@ class DistributedNoise:
 
     @property
     def accountant_noise_multiplier(self) -> float:
-        """The equivalent noise multiplier as the accountant sees it: halved for replace-one (fixed-size sampling)."""
-        return self.noise_multiplier / self._relation_factor
+        """The equivalent noise multiplier as the accountant sees it: halved, replace-one moves the sum by 2Δ₂."""
+        return self.noise_multiplier / 2
 
     @property
     def accounting(self) -> DdgAccounting:
-        """The accountant's view of one release."""
-        return DdgAccounting(self._relation_factor * self.l2_sensitivity, self.dimension, self.shares,
-                             self.sampling_rate)
-
-    @property
-    def _relation_factor(self) -> float:
-        """Sensitivity ÷ Δ₂: 1 for add/remove-one (Poisson), 2 for replace-one (fixed-size)."""
-        return 2.0 if self.replace_one else 1.0
+        """The accountant's view of one release: replace-one, sensitivity 2Δ₂."""
+        return DdgAccounting(2 * self.l2_sensitivity, self.dimension, self.shares)
 
     def accountant(self) -> DistributedGaussianAccountant:
         """A fresh accountant of this run's releases."""
-        return DistributedGaussianAccountant(self.accounting, self.local_std, self.accountant_delta)
+        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta)
 
     def sample(self, bits: RandomBits) -> np.ndarray:
         """One client's noise share: d draws of N_ℤ(0, σ_l²) from its own stream (int64)."""
@@ -104,48 +81,38 @@ class DistributedNoise:
         """What ``metrics.json`` says of the noise (public figures only)."""
         return {"noise": "distributed", "noise_shares": self.shares, "local_noise_std_steps": self.local_std,
                 "granularity": self.lattice.granularity, "total_noise_multiplier": self.noise_multiplier,
-                "accountant_delta": self.accountant_delta, "few_contributors_delta": self.few_contributors_delta}
+                "neighbouring_relation": "replace-one"}
 
 
 @lru_cache(maxsize=8)
-def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: int, sampling: str,
-                           sampling_rate: float, population: int, threshold: float, rounds: int, delta: float,
-                           target_epsilon: float, noise_multiplier: float) -> DistributedNoise:
-    """The plan of a run, from public config and the model's dimension (the same on the server and every client).
+def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: int, cohort: int, threshold: float,
+                           rounds: int, delta: float, target_epsilon: float, noise_multiplier: float
+                           ) -> DistributedNoise:
+    """The plan of a run of fixed-size cohorts of K, from public config and the model's dimension (the same on the
+    server and every client).
 
-    m: ``max(2, ⌈threshold·K⌉)`` for fixed-size sampling; under Poisson sampling
-    the largest m ≥ 2 whose binomial tail over the run stays within δ/10.
-    σ_l: calibrated so that ε after ``rounds`` releases at the accountant's δ
-    meets ``target_epsilon`` (when > 0), else ``noise_multiplier``·Δ₂/√m (the
-    sum of m shares carries the std the central mode adds). g: the finest
-    power of two whose range holds the largest cohort and its noise
-    (:meth:`ModularLattice.for_cohort`), each candidate g with its own σ_l.
+    m = ``max(2, ⌈threshold·K⌉)``. σ_l: calibrated so that ε after ``rounds``
+    releases at δ meets ``target_epsilon`` (when > 0), else
+    ``noise_multiplier``·Δ₂/√m (the sum of m shares carries the std the central
+    mode adds). g: the finest power of two whose range holds the cohort and its
+    noise (:meth:`ModularLattice.for_cohort`), each candidate g with its own σ_l.
 
     Raises
     ------
     ValueError
-        If no m ≥ 2 fits δ (Poisson), or no g leaves 2 levels per contribution.
+        If no g leaves 2 levels per contribution.
     """
-    cohort = int(round(sampling_rate * population))
-    if sampling == "poisson":
-        largest, rate = population, sampling_rate
-        shares = poisson_noise_shares(sampling_rate, population, rounds, delta)
-    else:
-        largest, rate = cohort, 1.0
-        shares = max(MIN_SHARES, math.ceil(threshold * cohort))
-    few = few_contributors_delta(sampling, sampling_rate, population, rounds, shares)
-    accountant_delta = delta - few
+    shares = max(MIN_SHARES, math.ceil(threshold * cohort))
     stds: dict[float, float] = {}
 
     def local_std(granularity: float) -> float:
         if granularity not in stds:
-            noise = DistributedNoise(ModularLattice(modulus_bits, granularity, largest), clipping_norm, 1.0, shares,
-                                     dimension, rate, sampling != "poisson", accountant_delta, few)
-            stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, accountant_delta)
+            noise = DistributedNoise(ModularLattice(modulus_bits, granularity, cohort), clipping_norm, 1.0, shares,
+                                     dimension, delta)
+            stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, delta)
                                  if target_epsilon > 0 else noise_multiplier * noise.l2_sensitivity / math.sqrt(shares))
         return stds[granularity]
 
-    lattice = ModularLattice.for_cohort(clipping_norm, largest, modulus_bits,
-                                        noise_std=lambda g: math.sqrt(largest) * local_std(g))
-    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, rate,
-                            sampling != "poisson", accountant_delta, few)
+    lattice = ModularLattice.for_cohort(clipping_norm, cohort, modulus_bits,
+                                        noise_std=lambda g: math.sqrt(cohort) * local_std(g))
+    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, delta)

@@ -204,6 +204,22 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
                      state.bytes_received)
 
 
+def small_cohort_delta(sampling: str, sampling_rate: float, population: int, rounds: int) -> float:
+    """What rounds that cannot run SecAgg+ (a cohort below 2) add to δ over ``rounds`` rounds.
+
+    Such a round releases nothing, and whether it happens depends on who was
+    sampled. Under Poisson sampling the event has probability at most
+    P[Bin(N − 1, q) ≤ 1] with or without any one client, so the run is
+    (ε, δ + rounds · that), ε and δ as accounted for the releases. A fixed
+    cohort of K ≥ 2 never falls below 2 by sampling: 0.
+    """
+    if sampling != "poisson":
+        return 0.0
+    from scipy.stats import binom
+
+    return min(1.0, rounds * float(binom.cdf(1, population - 1, sampling_rate)))
+
+
 def _ring(nodes: list[int], k: int) -> dict[int, set[int]]:
     """Each node's k neighbours (itself included) on a ring in a random order, as Flower's workflow builds it."""
     order = list(nodes)
