@@ -26,7 +26,6 @@ from .monitoring import measure_peak_memory
 from .privacy.mechanism import constrain_sensitivity
 from .privacy.randomness import PrivacyRandomness, client_bits, standard_normal
 from .secure_aggregation.client import handle_stage, is_secaggplus
-from .secure_aggregation.quantization import ModularLattice
 from .training import (
     control_term_seed,
     direction_seed,
@@ -65,7 +64,7 @@ def identify(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Train locally from the global model; reply with Δ, t and metrics (or run a SecAgg+ stage)."""
     if is_secaggplus(msg):
-        return handle_stage(msg, context, lambda cohort, bits: secure_contribution(msg, context, cohort, bits))
+        return handle_stage(msg, context, lambda bits: secure_contribution(msg, context, bits))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
     server_round = int(msg.content["config"][protocol.SERVER_ROUND])
@@ -137,7 +136,7 @@ def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round
     return LocalWork(global_state, update, term, metrics)
 
 
-def secure_contribution(msg: Message, context: Context, cohort: int, modulus_bits: int) -> np.ndarray:
+def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np.ndarray:
     """This client's share of the sum under SecAgg+: Δ_i mixed with its own ξ_i, clipped to C, quantised mod 2^bits.
 
     The same per-contribution step as the trusted server's
@@ -145,8 +144,12 @@ def secure_contribution(msg: Message, context: Context, cohort: int, modulus_bit
     ξ_i and the stochastic rounding come from the client's own stream: OS
     entropy, or with a fixed ``privacy-seed`` the ξ the trusted server would
     draw for this client's slot (so both modes run the same experiment).
-    Nothing of the contribution leaves the client unmasked; a failed term
-    raises, which the server sees as a dropout.
+    The lattice (and, with ``noise = "distributed"``, σ_l) is the client's
+    own computation from public config (:meth:`RunConfig.secure_plan`): it
+    trusts nothing the server sends but the model. With distributed noise it
+    adds its share of discrete Gaussian noise, drawn from the same stream,
+    before masking. Nothing of the contribution leaves the client unmasked;
+    a failed term raises, which the server sees as a dropout.
     """
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
@@ -169,8 +172,13 @@ def secure_contribution(msg: Message, context: Context, cohort: int, modulus_bit
                    standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing, config.population)[partition_id])
     rows, _ = constrain_sensitivity(update[None], terms, torch.tensor([xi], dtype=torch.float64),
                                     config.mechanism_settings)
-    lattice = ModularLattice.for_cohort(config.clipping_norm, cohort, modulus_bits)
-    return lattice.encode(lattice.stochastic_round(rows[0], bits))
+    lattice, noise = config.secure_plan(update.numel())
+    if lattice.modulus_bits != modulus_bits:
+        raise ValueError(f"the server asks for residues mod 2^{modulus_bits}, the run config for 2^{lattice.modulus_bits}")
+    levels = lattice.stochastic_round(rows[0], bits)
+    if noise is not None:
+        levels = levels + noise.sample(bits)
+    return lattice.encode(levels)
 
 
 def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig, msg: Message,

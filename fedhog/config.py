@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .data import PARTITIONERS, TABULAR_FORMATS, DataSpec, validate_spec
 from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
@@ -25,15 +25,19 @@ from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
 from .privacy.sampling import SAMPLING_METHODS
-from .secure_aggregation.quantization import MAX_MODULUS_BITS, MIN_MODULUS_BITS
+from .secure_aggregation.quantization import MAX_MODULUS_BITS, MIN_MODULUS_BITS, ModularLattice
 from .server_optimizer import SERVER_OPTIMIZERS, ServerOptimizerSettings
 from .server_step import SERVER_STEPS, ServerStepSettings
 from .training import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from .secure_aggregation.distributed_noise import DistributedNoise
 
 HOG_DIRECTIONS = ("random", "update")
 HOG_TERMS = ("third-order", "random")
 CLIENT_DP = ("none", "dpsgd")
 SECURE_AGGREGATION = ("off", "secagg+")
+NOISE = ("central", "distributed")  # who adds the noise: the server, or each client a share (secagg+ only)
 AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 DEVICES = ("auto", "cpu", "cuda")
 PRIVACY_LEVEL_KEYS = ("noise-multiplier", "target-epsilon")  # σ, or the ε to calibrate σ for: one of them
@@ -111,6 +115,7 @@ class RunConfig:
     secagg_num_shares: int = 0
     secagg_threshold: float = 0.66
     secagg_modulus_bits: int = 32
+    noise: str = "central"
     # reproducibility and output
     seed: int = 0
     privacy_seed: int = -1
@@ -211,6 +216,44 @@ class RunConfig:
         """K = q·N."""
         return int(round(self.sampling_rate * self.population))
 
+    @property
+    def largest_cohort(self) -> int:
+        """The most clients a round can sample: N under Poisson sampling, K under fixed-size sampling."""
+        return self.population if self.sampling == "poisson" else self.expected_cohort
+
+    def secure_plan(self, dimension: int) -> tuple[ModularLattice, DistributedNoise | None]:
+        """The lattice of every secure round and, with ``noise = "distributed"``, the noise plan.
+
+        Both follow from public config (and the model's dimension d) only, so the
+        server and every client compute the same: g never depends on who was sampled.
+
+        Raises
+        ------
+        ConfigError
+            Naming ``secagg-modulus-bits`` and the bits needed, when no granularity
+            leaves 2 levels per contribution for the largest cohort and its noise.
+        """
+        if self.noise != "distributed":
+            return ModularLattice.for_cohort(self.clipping_norm, self.largest_cohort, self.secagg_modulus_bits), None
+        from .secure_aggregation.distributed_noise import plan_distributed_noise  # dp_accounting, scipy
+
+        def plan(bits: int) -> DistributedNoise:
+            return plan_distributed_noise(self.clipping_norm, dimension, bits, self.expected_cohort,
+                                          self.secagg_threshold, self.rounds, self.delta, self.target_epsilon,
+                                          self.noise_multiplier)
+
+        try:
+            noise = plan(self.secagg_modulus_bits)
+        except ValueError as error:
+            needed = next((b for b in range(self.secagg_modulus_bits + 1, MAX_MODULUS_BITS + 1)
+                           if _plans(plan, b)), None)
+            raise ConfigError(
+                f"secagg-modulus-bits={self.secagg_modulus_bits} is not allowed with noise=\"distributed\" and a model "
+                f"of {dimension} parameters: {error}; expected "
+                + (f"≥ {needed} bits" if needed else f"at most {MAX_MODULUS_BITS} bits, which do not suffice either")
+            ) from None
+        return noise.lattice, noise
+
     # --- validation --------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad key (the dataset is checked by :mod:`fedhog.data`)."""
@@ -297,6 +340,11 @@ class RunConfig:
         if self.aggregator == "flower-dp":
             self._validate_flower_dp()
         _choice("secure-aggregation", self.secure_aggregation, SECURE_AGGREGATION)
+        _choice("noise", self.noise, NOISE)
+        if self.noise == "distributed" and self.secure_aggregation != "secagg+":
+            raise ConfigError(f"noise={toml_value(self.noise)} is not allowed with secure-aggregation="
+                              f"{toml_value(self.secure_aggregation)}; expected noise=\"central\", or "
+                              "secure-aggregation=\"secagg+\" (the clients' noise shares must be summed under masks)")
         if self.secure_aggregation != "off":
             self._validate_secure_aggregation()
 
@@ -320,8 +368,10 @@ class RunConfig:
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
         the target, for this sampling and accountant (a bisection on the accountant);
         with ``aggregator = "flower-dp"`` as Flower's wrapper accounts it (RDP, no amplification).
+        With ``noise = "distributed"`` itself: the clients' σ_l is calibrated with the lattice
+        (:meth:`secure_plan`), which needs the model's dimension.
         """
-        if self.target_epsilon == 0:
+        if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self
         if self.aggregator == "flower-dp":
             from .privacy.calibration import calibrate_unamplified_noise_multiplier
@@ -377,9 +427,22 @@ class RunConfig:
         if self.sampling == "fixed" and self.expected_cohort < 2:
             raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs a cohort of ≥ 2: "
                               f"sampling-rate × population = {self.expected_cohort} (SecAgg+ cannot hide one client)")
-        largest = self.population if self.sampling == "poisson" else self.expected_cohort
+        largest = self.largest_cohort
         _check("secagg-modulus-bits", self.secagg_modulus_bits, (2 ** (self.secagg_modulus_bits - 1) - 1) // largest > 2,
                f"enough bits for a cohort of up to {largest} clients (≥ {math.ceil(math.log2(6 * largest))})")
+        if self.noise == "distributed":
+            self._validate_distributed_noise()
+
+    def _validate_distributed_noise(self) -> None:
+        """Clients' noise needs a noise level and fixed-size cohorts (see :mod:`fedhog.privacy.distributed_gaussian`)."""
+        if self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError("noise=\"distributed\" needs noise-multiplier > 0 or a target-epsilon "
+                              "(noise-multiplier=0.0: the clients would add no noise)")
+        if self.sampling != "fixed":
+            raise ConfigError(f"noise=\"distributed\" is not allowed with sampling={toml_value(self.sampling)}; "
+                              "expected sampling=\"fixed\": under Poisson sampling a client brings its own noise "
+                              "share or not, so neighbouring outputs differ in their noise as well, which the "
+                              "distributed discrete Gaussian's accounting does not bound")
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":
@@ -454,6 +517,15 @@ def unknown_key_message(key: str, known: Iterable[str], what: str = "config key"
     if close:
         return f"unknown {what} '{key}'; did you mean {' or '.join(repr(c) for c in close)}?"
     return f"unknown {what} '{key}'; known: {', '.join(known)}"
+
+
+def _plans(plan: Any, modulus_bits: int) -> bool:
+    """Whether ``plan(modulus_bits)`` finds a lattice."""
+    try:
+        plan(modulus_bits)
+    except ValueError:
+        return False
+    return True
 
 
 def check_device(device: str) -> None:

@@ -39,24 +39,31 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, RunConfig.from_mapping(context.run_config))
 
 
-def build_strategy(config: RunConfig) -> SecureAggregator:
-    """The aggregator, its accountant, its private randomness and, with ``server-step``, its step length."""
+def build_strategy(config: RunConfig, dimension: int = 0) -> SecureAggregator:
+    """The aggregator, its accountant, its private randomness and, with ``server-step``, its step length.
+
+    ``dimension`` (the model's number of parameters) is needed in secure mode with distributed noise.
+    """
     mechanism = config.mechanism_settings
-    accountant = ClientLevelAccountant(
-        noise_multiplier=config.noise_multiplier,
-        sampling=config.sampling,  # type: ignore[arg-type]
-        sampling_rate=config.sampling_rate,
-        population=config.population,
-        delta=config.delta,
-        has_guarantee=mechanism.has_guarantee,
-        accountant=config.accountant,
-    )
-    randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
-    adaptive = config.adaptive_clipping_settings
     secure = None
     if config.secure_aggregation != "off":
-        secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, config.secagg_modulus_bits,
-                                config.clipping_norm)
+        lattice, noise = config.secure_plan(dimension)
+        secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, lattice, config.clipping_norm,
+                                noise)
+    if secure is not None and secure.noise is not None:
+        accountant = secure.noise.accountant()
+    else:
+        accountant = ClientLevelAccountant(
+            noise_multiplier=config.noise_multiplier,
+            sampling=config.sampling,  # type: ignore[arg-type]
+            sampling_rate=config.sampling_rate,
+            population=config.population,
+            delta=config.delta,
+            has_guarantee=mechanism.has_guarantee,
+            accountant=config.accountant,
+        )
+    randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
+    adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
                             config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
@@ -93,7 +100,7 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     log(INFO, "fedhog results folder: %s", writer.directory)
     monitor = ServerMetrics()
 
-    if config.target_epsilon > 0:
+    if config.target_epsilon > 0 and config.noise != "distributed":  # distributed: σ_l is calibrated with the lattice
         config = config.calibrated()
         log(INFO, "noise-multiplier σ=%.6g calibrated to target-epsilon=%g (δ=%g, %d rounds)",
             config.noise_multiplier, config.target_epsilon, config.delta, config.rounds)
@@ -157,7 +164,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
                            initial: ArrayRecord, evaluate_fn: EvaluateFn,
                            checkpoint: Checkpoint | None) -> tuple[ArrayRecord, float]:
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
-    strategy = build_strategy(config)
+    numel = sum(int(math.prod(array.shape)) for array in initial.values())
+    strategy = build_strategy(config, numel)
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         writer.add_round(record)
@@ -172,14 +180,14 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
     event = strategy.accountant.event
-    numel = sum(int(math.prod(array.shape)) for array in initial.values())
+    noise = strategy.secure_aggregation.noise if strategy.secure_aggregation else None
     writer.update(job_id=job_id, privacy=_privacy_record(
         config, strategy.accountant.has_guarantee, strategy.accountant.method,
-        event.noise_multiplier if event else None,
+        event.noise_multiplier if event else noise.accountant_noise_multiplier if noise else None,
         randomness="fixed privacy-seed (predictable)" if strategy.randomness.seed_is_fixed
         else "OS entropy (ChaCha20, 256-bit keys)",
         sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds),
-        **_secure_aggregation_record(config)))
+        **_secure_aggregation_record(config, strategy.secure_aggregation)))
     discovery_started = time.perf_counter()
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
@@ -225,13 +233,16 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
     return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
 
 
-def _secure_aggregation_record(config: RunConfig) -> dict[str, object]:
-    """What ``metrics.json`` says of secure aggregation (nothing when it is off)."""
-    if config.secure_aggregation == "off":
+def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | None) -> dict[str, object]:
+    """What ``metrics.json`` says of secure aggregation (nothing when it is off): its δ charges, its noise."""
+    if settings is None:
         return {}
-    return {"secure_aggregation": config.secure_aggregation,
-            "secagg_small_cohort_delta": small_cohort_delta(config.sampling, config.sampling_rate,
-                                                            config.population, config.rounds)}
+    record = {"secure_aggregation": config.secure_aggregation, "secagg_granularity": settings.lattice.granularity}
+    if settings.noise is None:
+        return {**record, "noise": "central", "secagg_small_cohort_delta": small_cohort_delta(
+            config.sampling, config.sampling_rate, config.population, config.rounds)}
+    noise = settings.noise  # fixed-size cohorts only (K ≥ 2): no small-cohort δ; its σ replaces the config's
+    return {**record, **noise.record(), "noise_multiplier": noise.noise_multiplier}
 
 
 def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,

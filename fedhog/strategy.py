@@ -25,6 +25,7 @@ from . import protocol
 from .monitoring import reply_nbytes
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
+from .privacy.distributed_gaussian import DistributedGaussianAccountant
 from .privacy.mechanism import (
     MAX_TAIL_DELTA_SHARE,
     Contribution,
@@ -144,13 +145,16 @@ class SecureAggregator(Strategy):
     secure_aggregation : SecAggSettings, optional
         SecAgg+: each client mixes, clips and quantises its own contribution
         and the server receives masked vectors only; it unmasks their sum and
-        adds the noise to it (:meth:`secure_round`).
+        adds the noise to it (:meth:`secure_round`), or, with distributed
+        noise, releases the sum of the clients' noised contributions as it is
+        (then ``accountant`` is a
+        :class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`).
     """
 
     def __init__(
         self,
         mechanism: MechanismSettings,
-        accountant: ClientLevelAccountant,
+        accountant: ClientLevelAccountant | DistributedGaussianAccountant,
         randomness: PrivacyRandomness,
         sampling: SamplingKind,
         sampling_rate: float,
@@ -199,8 +203,10 @@ class SecureAggregator(Strategy):
             log(INFO, "\t├──> %r (the sum gets σ_Δ·C, the accountant composes σ)", self.adaptive_clipping)
         if self.secure_aggregation is not None:
             log(INFO, "\t├──> SecAgg+: clients clip, quantise mod 2^%d and mask; the server unmasks only the sum",
-                self.secure_aggregation.modulus_bits)
-        if self.accountant.has_guarantee:
+                self.secure_aggregation.lattice.modulus_bits)
+        if self.accountant.event is None and self.accountant.has_guarantee:
+            log(INFO, "\t└──> distributed noise: each client adds N_Z(0, σ_l²); accounting: %r", self.accountant)
+        elif self.accountant.has_guarantee:
             event = self.accountant.event
             log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
                 self.accountant.method, self.sampling, event.noise_multiplier, event.sample_size,
@@ -225,8 +231,11 @@ class SecureAggregator(Strategy):
         self._node_of_slot = {slot: node for node, slot in mapping.items()}
 
     def sampler_tail_delta(self, numel: int, rounds: int) -> float:
-        """What the sampler's truncated normals add to δ over ``rounds`` releases (0 without a guarantee)."""
-        if not self.accountant.has_guarantee:
+        """What the sampler's truncated normals add to δ over ``rounds`` releases.
+
+        0 without a guarantee, and with distributed noise (discrete Gaussians, no truncated normals).
+        """
+        if not self.accountant.has_guarantee or self.accountant.event is None:
             return 0.0
         return noise_tail_delta(self.accountant.event.noise_multiplier, numel, rounds)
 
@@ -383,7 +392,11 @@ class SecureAggregator(Strategy):
         return self.finish_secure_round(server_round, result)
 
     def finish_secure_round(self, server_round: int, result: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        """Noise the unmasked sum on its lattice, divide by K, apply the update, compose the event."""
+        """Noise the unmasked sum on its lattice (central noise), divide by K, apply the update, compose the event.
+
+        With distributed noise the unmasked sum carries its contributors' noise
+        and is released as it is: g·S/K.
+        """
         record = self.current
         for sender, reason in result.dropped.items():
             self._count_rejection(server_round, sender, BadReply(reason))
@@ -393,8 +406,13 @@ class SecureAggregator(Strategy):
         keys = list(self._global.keys())
         flat_global = _flatten(self._global, keys)
         randomness, self._round_randomness = self._round_randomness, None
-        lattice = result.lattice.noise_lattice(flat_global.numel())
-        noisy_sum, sum_std = add_noise(result.levels, self.mechanism, lattice, randomness.noise)
+        noise = self.secure_aggregation.noise
+        if noise is None:
+            lattice = result.lattice.noise_lattice(flat_global.numel())
+            noisy_sum, sum_std = add_noise(result.levels, self.mechanism, lattice, randomness.noise)
+        else:  # every contributor's noise share is in the sum already: the server adds nothing
+            noisy_sum = result.levels.to(torch.float64) * result.lattice.granularity
+            sum_std = math.sqrt(result.contributors) * noise.local_std * result.lattice.granularity
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         self.accountant.compose_round()
         new_flat = self._server_step(flat_global, (noisy_sum / expected_cohort).to(flat_global.dtype), server_round,

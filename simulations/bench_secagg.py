@@ -13,8 +13,10 @@ residues, the shares for unmasking).
 
 Rows: ``trusted``; ``secagg`` (SecAgg+ over the whole cohort, k = n,
 threshold 0.66); ``secagg+ k=<k>`` (a ring of k neighbours, the SecAgg+ of
-Bell et al.; k ≈ 2·log2(n), odd). Ratios are against ``trusted`` at the same
-cohort.
+Bell et al.; k ≈ 2·log2(n), odd); ``... + distributed noise``: the same
+ring (or the whole cohort when it is smaller) with ``noise = "distributed"``,
+each client drawing its d discrete Gaussians. Ratios are against ``trusted``
+at the same cohort.
 
 Usage::
 
@@ -41,7 +43,7 @@ def _sparse_shares(cohort: int) -> int:
     return int(2 * math.log2(cohort)) | 1
 
 
-def measure(cohort: int, mode: str, shares: int, directory: Path) -> dict:
+def measure(cohort: int, mode: str, shares: int, directory: Path, noise: str = "central") -> dict:
     """Run one configuration; its round seconds and bytes per client and round."""
     from flwr.app import Context, RecordDict
     from flwr.common.serde import message_to_proto
@@ -66,13 +68,14 @@ def measure(cohort: int, mode: str, shares: int, directory: Path) -> dict:
 
     config = RunConfig().with_overrides({
         **WORKLOAD, "population": cohort, "num-samples": 40 * cohort, "secure-aggregation": mode,
-        "secagg-num-shares": shares, "results-dir": str(directory)})
+        "secagg-num-shares": shares, "noise": noise, "results-dir": str(directory)})
     grid = CountingGrid(client_app, cohort, config.to_mapping())
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                              run_config=config.to_mapping()))
     rounds = json.loads((directory / "metrics.json").read_text())["rounds"]
     per_client_round = cohort * config.rounds
-    return {"cohort": cohort, "mode": mode if mode == "off" else (f"secagg+ k={shares}" if shares else "secagg"),
+    label = mode if mode == "off" else (f"secagg+ k={shares}" if shares else "secagg")
+    return {"cohort": cohort, "mode": label + (" + distributed noise" if noise == "distributed" else ""),
             "seconds": statistics.median(r["seconds"] for r in rounds[1:]),
             "upload_bytes": grid.received / per_client_round, "download_bytes": grid.sent / per_client_round}
 
@@ -89,11 +92,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for cohort in args.cohorts:
-            variants = [("off", 0), ("secagg+", 0)]
-            if _sparse_shares(cohort) < cohort:
-                variants.append(("secagg+", _sparse_shares(cohort)))
-            for mode, shares in variants:
-                rows.append(measure(cohort, mode, shares, Path(folder) / f"{cohort}-{mode}-{shares}"))
+            ring = _sparse_shares(cohort) if _sparse_shares(cohort) < cohort else 0
+            variants = [("off", 0, "central"), ("secagg+", 0, "central")]
+            if ring:
+                variants.append(("secagg+", ring, "central"))
+            variants.append(("secagg+", ring, "distributed"))
+            for mode, shares, noise in variants:
+                rows.append(measure(cohort, mode, shares, Path(folder) / f"{cohort}-{mode}-{shares}-{noise}", noise))
     if args.json:
         print(json.dumps({"rows": rows}, indent=1))
         return

@@ -189,6 +189,7 @@ NON_DEFAULT = {
     "count-noise-std": 2.5, "metrics-port": 9464,
     "secure-aggregation": "off",  # secagg+ excludes adaptive clipping; its own keys still round-trip
     "secagg-num-shares": 5, "secagg-threshold": 0.5, "secagg-modulus-bits": 40,
+    "noise": "central",  # distributed needs secagg+
     "results-dir": 'runs/with "quotes", back\\slash, tab\tand é',
 }
 

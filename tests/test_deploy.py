@@ -157,14 +157,16 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_secure_aggregation_runs_on_a_local_deployment(tmp_path):
+@pytest.mark.parametrize("noise", [{}, {"sampling": "fixed", "noise": "distributed"}], ids=["central", "distributed"])
+def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
     """Each SecAgg+ stage is a message to a fresh flwr-clientapp process: the protocol's keys must survive in
-    the SuperNode's context between them. Same privacy seed: the in-process engine unmasks the same sum."""
+    the SuperNode's context between them, and with distributed noise each process recomputes the same plan.
+    Same privacy seed: the in-process engine unmasks the same sum."""
     from fedhog.client_app import app as client_app
     from fedhog.engine import run_in_process
     from fedhog.server_app import app as server_app
 
-    secure = {"population": 3, "rounds": 1, "secure-aggregation": "secagg+"}
+    secure = {"population": 3, "rounds": 1, "secure-aggregation": "secagg+", **noise}
     directory = deploy_local(_config(tmp_path, "deployed", **secure), nodes=3, workdir=tmp_path / "work",
                              timeout=300)
     assert _processes_using(tmp_path / "work") == []

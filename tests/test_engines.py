@@ -98,11 +98,13 @@ def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path, env):
         assert record["epsilon"] == pytest.approx(reference, rel=1e-9)
 
 
-def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env):
+@pytest.mark.parametrize("noise", [[], ["sampling=\"fixed\"", "noise=\"distributed\""]],
+                         ids=["central", "distributed"])
+def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env, noise):
     """SecAgg+'s client state lives in each node's context between the stages' messages, which the
     Simulation Engine keeps as the in-process engine does: with a fixed privacy seed the clients draw
-    the same ξ and roundings, so both engines unmask the same sums."""
-    settings = SETTINGS + ["secure-aggregation=\"secagg+\"", "mechanism=\"hog\""]
+    the same ξ, roundings and (distributed) noise shares, so both engines unmask the same sums."""
+    settings = SETTINGS + ["secure-aggregation=\"secagg+\"", "mechanism=\"hog\""] + noise
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env, settings)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env, settings)
     assert simulated["status"] == in_process["status"] == "finished"

@@ -80,7 +80,7 @@ def _secure_app(levels: dict[int, np.ndarray]) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         mine = levels[int(context.node_config["partition-id"])]
-        return handle_stage(msg, context, lambda cohort, bits: ModularLattice.for_cohort(CLIP, cohort, bits).encode(mine))
+        return handle_stage(msg, context, lambda bits: ModularLattice.for_cohort(CLIP, len(levels), bits).encode(mine))
 
     return app
 
@@ -90,7 +90,7 @@ def _run_sum(n: int, drop_at: str | None = None, drop: tuple[int, ...] = (), num
     levels = _contributions(n)
     grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=drop_at, drop=drop)
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
-    settings = SecAggSettings(num_shares, threshold, 32, CLIP)
+    settings = SecAggSettings(num_shares, threshold, ModularLattice.for_cohort(CLIP, n, 32), CLIP)
     return grid, levels, lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION, settings, 10, "1")
 
 
@@ -196,7 +196,8 @@ def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound
     assert n == trusted["rounds"][0]["clients_accepted"] == 6 and secure["rounds"][0]["epsilon"] == \
         trusted["rounds"][0]["epsilon"]
     dimension = sum(v.numel() for v in secure_model.values())
-    g = ModularLattice.for_cohort(0.5, n, 32).granularity
+    g = secure["privacy"]["secagg_granularity"]  # g of the largest cohort: K = 6 under fixed-size sampling
+    assert g == ModularLattice.for_cohort(0.5, 6, 32).granularity
     # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,
     # and with noise the same normals Z (|Z| ≤ 13.37) rounded on the two lattices at stds that differ by σ·g√d
     # (K = 6), then float32 rounds ū and θ + ū: half a unit in the last place each, in both modes

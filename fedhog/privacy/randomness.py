@@ -199,3 +199,70 @@ def uniform_below(bits: RandomBits, bound: int) -> int:
         word = int(bits.words(1)[0])
         if word < limit:
             return word % bound
+
+
+def discrete_gaussian(bits: RandomBits, count: int, sigma: float) -> np.ndarray:
+    """``count`` independent draws of the discrete Gaussian N_ℤ(0, σ²) (int64), P[x] ∝ exp(−x²/2σ²).
+
+    The algorithm of Canonne, Kamath & Steinke (NeurIPS 2020, "The Discrete
+    Gaussian for Differential Privacy", Algorithms 1–3), vectorised: a
+    discrete Laplace Y with scale t = ⌊σ⌋ + 1, kept with probability
+    exp(−(|Y| − σ²/t)²/(2σ²)); rejected draws are redrawn. Every random bit
+    comes from ``bits``. As TensorFlow Privacy's ``discrete_gaussian_utils``
+    does, a Bernoulli(exp(−x)) is a float64 comparison, uniform < exp(−x)
+    (53-bit uniforms), not the paper's exact rational arithmetic: the
+    probabilities are off by float64 rounding (relative 2⁻⁵²).
+    """
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"sigma={sigma!r} must be positive and finite")
+    scale = math.floor(sigma) + 1
+    out = np.empty(count, dtype=np.int64)
+    pending = np.arange(count)
+    while pending.size:
+        candidate = _discrete_laplace(bits, pending.size, scale)
+        excess = (np.abs(candidate) - sigma**2 / scale) ** 2 / (2 * sigma**2)
+        keep = uniform(bits, pending.size) < np.exp(-excess)
+        out[pending[keep]] = candidate[keep]
+        pending = pending[~keep]
+    return out
+
+
+def _discrete_laplace(bits: RandomBits, count: int, scale: int) -> np.ndarray:
+    """P[y] ∝ exp(−|y|/t) (Canonne et al., Algorithm 2): X = U + t·V, U uniform below t kept w.p. exp(−U/t),
+    V geometric with P[V = k] ∝ e^{−k}; a random sign, rejecting −0."""
+    out = np.empty(count, dtype=np.int64)
+    pending = np.arange(count)
+    while pending.size:
+        n = pending.size
+        below = _uniform_integers(bits, n, scale)
+        kept = uniform(bits, n) < np.exp(-below / scale)
+        magnitude = below + scale * _geometric(bits, n)
+        negative = (bits.words(n) >> np.uint64(63)).astype(bool)
+        kept &= ~(negative & (magnitude == 0))
+        out[pending[kept]] = np.where(negative, -magnitude, magnitude)[kept]
+        pending = pending[~kept]
+    return out
+
+
+def _geometric(bits: RandomBits, count: int) -> np.ndarray:
+    """The number of successes of Bernoulli(e⁻¹) before the first failure: P[V = k] = (1 − e⁻¹)·e^{−k}."""
+    out = np.zeros(count, dtype=np.int64)
+    active = np.arange(count)
+    while active.size:
+        more = uniform(bits, active.size) < math.exp(-1.0)
+        active = active[more]
+        out[active] += 1
+    return out
+
+
+def _uniform_integers(bits: RandomBits, count: int, bound: int) -> np.ndarray:
+    """``count`` integers uniform on 0..bound−1 (int64), without modulo bias (rejection of the top words)."""
+    limit = np.uint64(2**64 - 2**64 % bound - 1)  # the largest accepted word
+    out = np.empty(count, dtype=np.int64)
+    pending = np.arange(count)
+    while pending.size:
+        words = bits.words(pending.size)
+        ok = words <= limit
+        out[pending[ok]] = (words[ok] % np.uint64(bound)).astype(np.int64)
+        pending = pending[~ok]
+    return out

@@ -5,7 +5,8 @@ masking key, encrypted to each neighbour) and unmask (shares for the server)
 are Flower's own stage functions from ``secaggplus_mod``, and the protocol's
 state lives where Flower keeps it (``context.state``, in memory). Only the
 collect stage is fedhog's: the contribution is the client's clipped,
-quantised row (:mod:`.quantization`), masked with :func:`.masking.mask`.
+quantised row (:mod:`.quantization`), with distributed noise plus its noise
+share (:mod:`.distributed_noise`), masked with :func:`.masking.mask`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 from .. import protocol
 from .masking import mask
 
-#: ``contribute(cohort, modulus_bits)``: this client's quantised contribution as residues mod 2^bits (uint64).
-Contribute = Callable[[int, int], np.ndarray]
+#: ``contribute(modulus_bits)``: this client's quantised (and, with distributed noise, noised) contribution
+#: as residues mod 2^bits (uint64).
+Contribute = Callable[[int], np.ndarray]
 
 
 def is_secaggplus(msg: Message) -> bool:
@@ -79,7 +81,7 @@ def _masked_vector(state: SecAggPlusState, configs: ConfigRecord, contribute: Co
         state.rd_seed_share_dict[source] = seed_share
         state.sk1_share_dict[source] = key_share
     bits = state.mod_range.bit_length() - 1
-    vector = contribute(state.sample_num, bits)
+    vector = contribute(bits)
     vector = vector + mask(state.rd_seed, vector.size, bits)
     own_key = bytes_to_private_key(state.sk1)
     for node in sources:

@@ -5,19 +5,24 @@ rounded onto the lattice g·ℤ^d: q_j = ⌊c_j/g⌋ + Bernoulli(c_j/g − ⌊c_
 unbiased estimate with |q_j·g − c_j| < g. It is sent as q mod M. The sum of n
 such vectors satisfies |Σ q_j| ≤ n·(C/g + 1) < M/2, so the centred residue of
 the sum mod M is the integer sum itself: no wrap-around for honest clients.
-g is the smallest power of two for which that holds with the cohort's n, so
-the precision is what the modulus allows: g ≈ 2·n·C/M.
+g is the smallest power of two for which that holds with the largest cohort
+n the sampling can produce (the population N under Poisson sampling, K under
+fixed-size sampling), so the precision is what the modulus allows,
+g ≈ 2·n·C/M, and g, which the release reveals, is fixed before the run: it
+does not depend on who was sampled.
 
 Error of the released sum against the unquantised one: each coordinate is
 off by less than n·g (and by g·√(n/4) in standard deviation, the rounding
 being unbiased); in L2, less than n·g·√d. Sensitivity: one contribution's
 lattice vector has norm at most C + g√d, which is what the server's noise is
-calibrated to (:attr:`ModularLattice.noise_lattice`).
+calibrated to (:attr:`ModularLattice.noise_lattice`); with distributed noise
+the range also holds the noise of the largest cohort (:meth:`ModularLattice.for_cohort`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +33,7 @@ from ..privacy.randomness import RandomBits, uniform
 
 MIN_MODULUS_BITS = 16
 MAX_MODULUS_BITS = 62  # residues and the centred sum stay exact in int64
+WRAP_STDS = 10  # the range holds the noise of a full cohort to 10 standard deviations
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,16 @@ class ModularLattice:
     cohort: int
 
     @classmethod
-    def for_cohort(cls, clipping_norm: float, cohort: int, modulus_bits: int) -> "ModularLattice":
-        """The finest power-of-two g for which n·(C/g + 1) < M/2.
+    def for_cohort(cls, clipping_norm: float, cohort: int, modulus_bits: int,
+                   noise_std: Callable[[float], float] | None = None) -> "ModularLattice":
+        """The finest power-of-two g for which n·(C/g + 1) + 10·σ(g) < M/2.
+
+        ``noise_std(g)`` is the std σ of the noise a sum of n contributions
+        carries, in steps of g (distributed noise; none by default). The
+        discrete Gaussian noise of n clients is nσ_l²-subgaussian (Canonne,
+        Kamath & Steinke 2020), so the noised sum of a coordinate wraps around
+        with probability below 2·exp(−50) < 10⁻²⁰. A wrap is post-processing
+        of the noised sum: it can cost accuracy, never privacy.
 
         Raises
         ------
@@ -59,12 +73,20 @@ class ModularLattice:
         """
         if not MIN_MODULUS_BITS <= modulus_bits <= MAX_MODULUS_BITS:
             raise ValueError(f"modulus_bits={modulus_bits} must be in {MIN_MODULUS_BITS}..{MAX_MODULUS_BITS}")
-        levels = (2 ** (modulus_bits - 1) - 1) // max(cohort, 1) - 1  # C/g may be at most this
+        cohort = max(cohort, 1)
+        levels = (2 ** (modulus_bits - 1) - 1) // cohort - 1  # C/g may be at most this
         if levels < 2:
             raise ValueError(f"a modulus of 2^{modulus_bits} leaves fewer than 2 levels per contribution "
                              f"for a cohort of {cohort}")
         granularity = 2.0 ** math.ceil(math.log2(clipping_norm / levels))
-        return cls(modulus_bits, granularity, max(cohort, 1))
+        if noise_std is not None:
+            half = 2 ** (modulus_bits - 1)
+            while cohort * (clipping_norm / granularity + 1) + WRAP_STDS * noise_std(granularity) >= half:
+                granularity *= 2
+                if clipping_norm / granularity < 2:
+                    raise ValueError(f"a modulus of 2^{modulus_bits} leaves fewer than 2 levels per contribution "
+                                     f"for a cohort of {cohort} and its noise")
+        return cls(modulus_bits, granularity, cohort)
 
     @property
     def modulus(self) -> int:

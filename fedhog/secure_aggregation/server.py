@@ -15,8 +15,9 @@ from fedhog's Message-API strategy instead of a legacy ``DefaultWorkflow``:
 
 With ≥ t shares of each secret the server removes the self masks of the
 vectors it received and the pairwise masks the dropped nodes left in them:
-what remains is Σ q_i mod M over the survivors. Fewer shares, or fewer than
-two survivors, end the round with :class:`SecureAggregationFailed` and
+what remains is Σ q_i mod M over the survivors (each q_i noised by its client
+with distributed noise). Fewer shares, or fewer than two survivors (m with
+distributed noise), end the round with :class:`SecureAggregationFailed` and
 nothing is unmasked.
 """
 
@@ -39,6 +40,7 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 
 from .. import protocol
 from ..monitoring import reply_nbytes
+from .distributed_noise import DistributedNoise
 from .masking import mask
 from .quantization import ModularLattice
 
@@ -67,16 +69,26 @@ class SecAggSettings:
         t = max(2, ⌈threshold·k⌉) shares reconstruct a secret: the server and
         fewer than t of a node's neighbours learn nothing of its vector, and
         up to k − t of its neighbours may drop out.
-    modulus_bits : int
-        b, with arithmetic mod M = 2^b.
+    lattice : ModularLattice
+        g and M = 2^b, fixed before the run from public config
+        (:meth:`fedhog.config.RunConfig.secure_plan`), as every client computes them.
     clipping_norm : float
         C, which every client clips to before quantising.
+    noise : DistributedNoise, optional
+        With distributed noise, the plan: a sum of fewer than its m
+        contributions is never unmasked.
     """
 
     num_shares: int
     threshold: float
-    modulus_bits: int
+    lattice: ModularLattice
     clipping_norm: float
+    noise: DistributedNoise | None = None
+
+    @property
+    def min_contributors(self) -> int:
+        """The fewest masked vectors whose sum the server unmasks: 2, or m with distributed noise."""
+        return 2 if self.noise is None else self.noise.shares
 
 
 @dataclass
@@ -110,11 +122,13 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
         With the reason, when the sum cannot be unmasked.
     """
     n = len(nodes)
-    if n < 2:
-        raise SecureAggregationFailed(f"a cohort of {n} cannot be aggregated securely (SecAgg+ needs ≥ 2)")
+    if n < settings.min_contributors:
+        raise SecureAggregationFailed(f"a cohort of {n} cannot be aggregated securely (SecAgg+ needs ≥ 2"
+                                      + ("" if settings.noise is None else
+                                         f", distributed noise m = {settings.min_contributors}") + ")")
     k = n if settings.num_shares == 0 or settings.num_shares >= n else settings.num_shares | 1  # odd: a ring
     state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=max(2, math.ceil(settings.threshold * k)),
-                   lattice=ModularLattice.for_cohort(settings.clipping_norm, n, settings.modulus_bits))
+                   lattice=settings.lattice)
 
     setup = {Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,
              Key.CLIPPING_RANGE: float(settings.clipping_norm), Key.TARGET_RANGE: state.lattice.max_level,
@@ -151,6 +165,11 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
     active = set(vectors)
     dead = shared - active
     _check(state, active, "collect-masked-vectors", owners=shared)
+    if len(active) < settings.min_contributors:
+        raise SecureAggregationFailed(
+            f"collect-masked-vectors: {len(active)} masked vectors arrived, the accountant counts the noise of "
+            f"m = {settings.min_contributors} clients ({len(state.dropped)} of {n} nodes dropped out); "
+            "nothing was unmasked", state.dropped)
     total = np.zeros(dimension, dtype=np.uint64)
     for vector in vectors.values():
         total += vector  # wraps mod 2^64, a multiple of M

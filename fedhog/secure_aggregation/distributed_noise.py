@@ -1,0 +1,118 @@
+"""Distributed noise (``noise = "distributed"``): each client adds its share of discrete Gaussian noise.
+
+Under SecAgg+ with central noise the server unmasks the exact sum before
+noising it. Here every client adds d i.i.d. N_ℤ(0, σ_l²) (lattice steps) to
+its quantised contribution before masking, so the server only ever unmasks
+a noised sum and adds nothing (Kairouz, Liu & Steinke 2021). The plan —
+the lattice, the m clients whose noise the accountant counts and σ_l — is a
+function of public config and the model's dimension only: every client
+computes the same one and needs nothing secret (or trusted) from the server.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..privacy.distributed_gaussian import MIN_SHARES, DdgAccounting, DistributedGaussianAccountant, l2_sensitivity
+from ..privacy.randomness import RandomBits, discrete_gaussian
+from .quantization import ModularLattice
+
+
+@dataclass(frozen=True)
+class DistributedNoise:
+    """What every client adds and what the accountant counts, fixed before the run.
+
+    Parameters
+    ----------
+    lattice : ModularLattice
+        g and M for the largest cohort, with room for its noise.
+    clipping_norm : float
+        C.
+    local_std : float
+        σ_l, each client's discrete Gaussian std in lattice steps.
+    shares : int
+        m: a sum of fewer contributions is never unmasked.
+    dimension : int
+        d.
+    delta : float
+        The δ at which ε is reported.
+    """
+
+    lattice: ModularLattice
+    clipping_norm: float
+    local_std: float
+    shares: int
+    dimension: int
+    delta: float
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """Δ₂ = C/g + √d in lattice steps (a rounded contribution's L2 bound)."""
+        return l2_sensitivity(self.clipping_norm, self.lattice.granularity, self.dimension)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The equivalent total noise multiplier: the std of m shares over Δ₂."""
+        return math.sqrt(self.shares) * self.local_std / self.l2_sensitivity
+
+    @property
+    def accountant_noise_multiplier(self) -> float:
+        """The equivalent noise multiplier as the accountant sees it: halved, replace-one moves the sum by 2Δ₂."""
+        return self.noise_multiplier / 2
+
+    @property
+    def accounting(self) -> DdgAccounting:
+        """The accountant's view of one release: replace-one, sensitivity 2Δ₂."""
+        return DdgAccounting(2 * self.l2_sensitivity, self.dimension, self.shares)
+
+    def accountant(self) -> DistributedGaussianAccountant:
+        """A fresh accountant of this run's releases."""
+        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta)
+
+    def sample(self, bits: RandomBits) -> np.ndarray:
+        """One client's noise share: d draws of N_ℤ(0, σ_l²) from its own stream (int64)."""
+        return discrete_gaussian(bits, self.dimension, self.local_std)
+
+    def record(self) -> dict[str, object]:
+        """What ``metrics.json`` says of the noise (public figures only)."""
+        return {"noise": "distributed", "noise_shares": self.shares, "local_noise_std_steps": self.local_std,
+                "granularity": self.lattice.granularity, "total_noise_multiplier": self.noise_multiplier,
+                "neighbouring_relation": "replace-one"}
+
+
+@lru_cache(maxsize=8)
+def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: int, cohort: int, threshold: float,
+                           rounds: int, delta: float, target_epsilon: float, noise_multiplier: float
+                           ) -> DistributedNoise:
+    """The plan of a run of fixed-size cohorts of K, from public config and the model's dimension (the same on the
+    server and every client).
+
+    m = ``max(2, ⌈threshold·K⌉)``. σ_l: calibrated so that ε after ``rounds``
+    releases at δ meets ``target_epsilon`` (when > 0), else
+    ``noise_multiplier``·Δ₂/√m (the sum of m shares carries the std the central
+    mode adds). g: the finest power of two whose range holds the cohort and its
+    noise (:meth:`ModularLattice.for_cohort`), each candidate g with its own σ_l.
+
+    Raises
+    ------
+    ValueError
+        If no g leaves 2 levels per contribution.
+    """
+    shares = max(MIN_SHARES, math.ceil(threshold * cohort))
+    stds: dict[float, float] = {}
+
+    def local_std(granularity: float) -> float:
+        if granularity not in stds:
+            noise = DistributedNoise(ModularLattice(modulus_bits, granularity, cohort), clipping_norm, 1.0, shares,
+                                     dimension, delta)
+            stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, delta)
+                                 if target_epsilon > 0 else noise_multiplier * noise.l2_sensitivity / math.sqrt(shares))
+        return stds[granularity]
+
+    lattice = ModularLattice.for_cohort(clipping_norm, cohort, modulus_bits,
+                                        noise_std=lambda g: math.sqrt(cohort) * local_std(g))
+    return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, delta)
