@@ -141,7 +141,7 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     sweep = load_sweep(ROOT / "configs" / "sweep_convergence.toml")
     conditions = {(t.cell.variant, t.condition) for t in sweep.trials}
     assert {c for v, c in conditions if v == "hog"} == {(("model", m), ("target-epsilon", e))
-                                                          for m in ("cnn1d",) for e in (1.0, 3.0, 8.0)}
+                                                          for m in ("mlp", "cnn1d") for e in (1.0, 3.0, 8.0)}
     hog = {t.setting for t in sweep.trials if t.cell.variant == "hog"}
     assert len(hog) == 2 * 3 * 2 and {dict(s)["mixing-strength"] for s in hog} == {0.25, 0.5}
     assert {t.cell.config.rounds for t in sweep.trials} == {30} and {c.config.rounds for c in sweep.cells} == {100}
