@@ -186,7 +186,7 @@ class CohortTrainer:
         for k, seed in enumerate(seeds):
             direction = None
             if hog.direction == "update":
-                update = self._unflat(updates[k])
+                update = self.unflatten(updates[k])
                 direction = unit_direction({n: update[n] for n in names})
             directions.append(direction if direction is not None else random_direction(like, seed))
         stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
@@ -206,7 +206,8 @@ class CohortTrainer:
     def _flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([tensors[k].reshape(-1) for k in self.keys])
 
-    def _unflat(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat ``[P]`` row (the layout of ``updates`` and ``terms``) as the model's named tensors."""
         out, offset = {}, 0
         for key in self.keys:
             shape = self.shapes[key]

@@ -76,12 +76,17 @@ class InProcessGrid(Grid):
         """Deliver each message to its node's ClientApp now; keep the reply."""
         ids = []
         for message in messages:
-            message_id = uuid.uuid4().hex
-            message.metadata.__dict__["_message_id"] = message_id
-            message.metadata.__dict__["_run_id"] = self._run.run_id
+            message_id = self._stamp(message)
             self._replies[message_id] = self._transport(self._deliver(self._transport(message)))
             ids.append(message_id)
         return ids
+
+    def _stamp(self, message: Message) -> str:
+        """Give ``message`` a fresh id and this run, as the SuperLink does on push; return the id."""
+        message_id = uuid.uuid4().hex
+        message.metadata.__dict__["_message_id"] = message_id
+        message.metadata.__dict__["_run_id"] = self._run.run_id
+        return message_id
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Hand over (and forget) the replies to ``message_ids``."""

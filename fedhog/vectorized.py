@@ -19,11 +19,9 @@ its inputs; one that is not fails in the first round, naming vmap's reason.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from logging import WARNING
 
-import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
@@ -76,8 +74,7 @@ class VectorizedGrid(InProcessGrid):
                 m.metadata.message_type != MessageType.TRAIN for m in messages):
             return super().send_and_receive(messages, timeout=timeout)
         for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            message.metadata.__dict__["_run_id"] = self.run.run_id
+            self._stamp(message)
         return [self._transport(reply) for reply in self._train_for_flower([self._transport(m) for m in messages])]
 
     def _train_for_flower(self, messages: list[Message]) -> list[Message]:
@@ -92,8 +89,8 @@ class VectorizedGrid(InProcessGrid):
         start = arrays.to_torch_state_dict()
         work = self.trainer.train(start, partitions, seeds, self.config.local_epochs, self.config.batch_size,
                                   self.config.learning_rate, self.config.momentum, None)
-        return [flower_dp_reply(message, start, _unflatten(work.updates[k], start), self.config.server_learning_rate,
-                                work.mean_losses[k])
+        return [flower_dp_reply(message, start, self.trainer.unflatten(work.updates[k]),
+                                self.config.server_learning_rate, work.mean_losses[k])
                 for k, message in enumerate(messages)]
 
     def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
@@ -119,15 +116,6 @@ class VectorizedGrid(InProcessGrid):
                 term = work.terms[k] if work.term_finite[k] else None
             results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
         return results
-
-
-def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A flat ``[P]`` row as tensors shaped and ordered like ``like``."""
-    out, start = {}, 0
-    for key, tensor in like.items():
-        out[key] = flat[start:start + tensor.numel()].view_as(tensor).to(tensor.dtype)
-        start += tensor.numel()
-    return out
 
 
 def run_vectorized(server_app: ServerApp, client_app: ClientApp, config: RunConfig) -> None:
