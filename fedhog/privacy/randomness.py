@@ -194,11 +194,7 @@ def uniform_below(bits: RandomBits, bound: int) -> int:
     """An integer uniform on 0..bound-1, without modulo bias (rejection)."""
     if bound < 1:
         raise ValueError(f"bound={bound!r} must be ≥ 1")
-    limit = 2**64 - (2**64 % bound)
-    while True:
-        word = int(bits.words(1)[0])
-        if word < limit:
-            return word % bound
+    return int(_uniform_integers(bits, 1, bound)[0])
 
 
 def discrete_gaussian(bits: RandomBits, count: int, sigma: float) -> np.ndarray:
