@@ -443,6 +443,11 @@ def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatc
     assert "stop after 2 rounds" in tuning_markdown(sweep, [], {})
     with pytest.raises(SweepError, match="rounds=1 is not allowed"):
         load_sweep(_write(tmp_path, text.replace("last-rounds = 2", "last-rounds = 2\nrounds = 1")))
+    distributed = text.replace('name = "gaussian"\n', 'name = "gaussian"\nsampling = "fixed"\n'
+                               'secure-aggregation = "secagg+"\nnoise = "distributed"\n'
+                               ).replace("last-rounds = 2", "last-rounds = 2\nrounds = 2")
+    with pytest.raises(SweepError, match='cannot keep the full horizon\'s noise with noise="distributed"'):
+        load_sweep(_write(tmp_path, distributed))
 
 
 @pytest.mark.parametrize("change, match", [

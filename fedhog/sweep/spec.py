@@ -282,6 +282,9 @@ def _shortened(mapping: dict[str, Any], full: RunConfig, rounds: int) -> dict[st
         return mapping
     if full.target_epsilon == 0:
         return {**mapping, "rounds": rounds}
+    if full.noise == "distributed":  # σ_l is calibrated with the model's lattice, not by RunConfig.calibrated
+        raise SweepError(f"[tune] rounds={rounds} cannot keep the full horizon's noise with noise=\"distributed\" and "
+                         "a target-epsilon; expected [tune] rounds = 0 (tuning runs as long as the cells)")
     return {**mapping, "rounds": rounds, "target-epsilon": 0.0, "noise-multiplier": _full_horizon_sigma(full)}
 
 
