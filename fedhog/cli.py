@@ -349,9 +349,11 @@ def _report(directory: Path, failed: bool, error: object) -> int:
             table.add_row(f"test {name.upper()}",
                           f"{format_value(summary[f'initial_{name}'])} → {format_value(summary[f'final_{name}'])}")
     epsilon = summary["epsilon"]
-    table.add_row("privacy", "[bold red]ε = ∞: NO differential privacy[/]" if epsilon == "inf"
-                  else f"(ε = {epsilon:.3f}, δ = {summary['delta']:g}), client-level")
     privacy = document.get("privacy", {})
+    table.add_row("privacy", "[bold red]ε = ∞: NO differential privacy[/]" if epsilon == "inf"
+                  else f"(ε = {epsilon:.3f}, δ = {summary['delta']:g}), client-level"
+                  + ("" if "epsilon_void_against" not in privacy else
+                     " — [bold red]VOID against " + escape(privacy["epsilon_void_against"]) + "[/]"))
     if privacy.get("has_guarantee"):
         calibrated = f" (calibrated to ε = {privacy['target_epsilon']:g})" if privacy.get("target_epsilon") else ""
         table.add_row("noise", f"σ = {privacy['noise_multiplier']:.4g}{calibrated}, {privacy['accountant']} accountant")
@@ -368,9 +370,10 @@ def _print_privacy_banner(config: RunConfig) -> None:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
     if config.privacy_seed >= 0:
-        console.print(f"[bold red]WARNING: privacy-seed={config.privacy_seed}: cohorts, ξ and noise are "
-                      "reproducible, so anyone who knows the seed can remove the noise; the ε printed holds only "
-                      "against those who do not. For experiments only; deployments use privacy-seed = -1.[/]")
+        console.print("[bold red]WARNING: privacy-seed is fixed: cohorts, ξ and noise are reproducible, so anyone "
+                      "who holds the config can remove the noise, and a seed is found from two released models by "
+                      "trying seeds in order (seed 7 in under a second). The ε printed is VOID against them; it "
+                      "only compares mechanisms. For experiments only; deployments use privacy-seed = -1.[/]")
 
 
 if __name__ == "__main__":

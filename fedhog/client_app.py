@@ -25,7 +25,8 @@ from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.mechanism import constrain_sensitivity
 from .privacy.randomness import PrivacyRandomness, client_bits, standard_normal
-from .secure_aggregation.client import handle_stage, is_secaggplus
+from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
+from .secure_aggregation.graph import threshold_count
 from .training import (
     control_term_seed,
     direction_seed,
@@ -64,7 +65,8 @@ def identify(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Train locally from the global model; reply with Δ, t and metrics (or run a SecAgg+ stage)."""
     if is_secaggplus(msg):
-        return handle_stage(msg, context, lambda bits: secure_contribution(msg, context, bits))
+        return handle_stage(msg, context, lambda bits: secure_contribution(msg, context, bits),
+                            client_guard(run_config_of(context)))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
     server_round = int(msg.content["config"][protocol.SERVER_ROUND])
@@ -134,6 +136,14 @@ def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round
         metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
         term = term if finite else None
     return LocalWork(global_state, update, term, metrics)
+
+
+def client_guard(config: RunConfig) -> ClientGuard:
+    """What this client requires of a secure round: n, k, t and m from its own config (:class:`ClientGuard`)."""
+    distributed = config.noise == "distributed"
+    return ClientGuard(config.secagg_threshold, config.secagg_num_shares,
+                       config.expected_cohort if config.sampling == "fixed" else None,
+                       threshold_count(config.expected_cohort, config.secagg_threshold) if distributed else 2)
 
 
 def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np.ndarray:

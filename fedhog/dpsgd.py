@@ -55,13 +55,13 @@ from .privacy.mechanism import (
     MAX_TAIL_DELTA_SHARE,
     MechanismSettings,
     NoiseLattice,
-    noise_tail_delta,
-    rounded_gaussian,
+    sampler_slack,
 )
-from .privacy.randomness import MAX_STANDARD_NORMAL, RandomBits, uniform
+from .privacy.randomness import RandomBits, lattice_gaussian, uniform
 from .training import LocalTraining, as_tensors
 
 DPSGD_ACCOUNTANTS = ("prv", "rdp")
+CHECKED_EPSILON = 64.0  # the sampler's δ slack is checked at this ε (it grows with e^ε; beyond, nothing is private)
 DPSGD_NOISE = ("fedhog", "opacus-secure")
 
 
@@ -136,23 +136,34 @@ def record_privacy(settings: DpSgdSettings, accountant_state: Mapping[str, Any] 
         If ``accountant_state`` is malformed or from another accountant.
     """
     accountant = _accountant(settings, accountant_state)
-    return _privacy(accountant, settings)
+    return _privacy(accountant, settings, (accountant_state or {}).get("noise_values"))
 
 
 def lattice_noisy_sum(summed: torch.Tensor, settings: DpSgdSettings, bits: RandomBits) -> tuple[torch.Tensor, float]:
-    """g·(round(S/g) + round(Z·s/g)) in float64, and s = σ·(C + g√d), for a flat sum S of clipped gradients.
+    """g·(round(S/g) + n), n ~ N_ℤ(0, (s/g)²)^d, in float64, and s = σ·(C + g√d), for a flat sum S of clipped
+    gradients.
 
     Adding or removing one record moves S by at most C; rounding each of the
     two sums onto the lattice moves it by at most g√d/2 more, so the lattice
-    points differ by at most C + g√d: the std s covers that sensitivity.
+    points differ by at most C + g√d: the std s covers that sensitivity. The
+    noise is the trusted server's: an exact discrete Gaussian on the lattice
+    (:mod:`fedhog.privacy.mechanism`).
     """
-    lattice = NoiseLattice.for_settings(
-        MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier), summed.numel())
-    std = settings.noise_multiplier * (settings.max_grad_norm + 2 * lattice.rounding_slack)
+    lattice = _lattice(settings, summed.numel())
+    std = _noise_std(settings, lattice)
     steps = lattice.quantize(summed)
     if std > 0:
-        steps += rounded_gaussian(bits, lattice.dimension, std, lattice.granularity)
+        steps += torch.from_numpy(lattice_gaussian(bits, lattice.dimension, std / lattice.granularity))
     return steps.to(torch.float64) * lattice.granularity, std
+
+
+def _lattice(settings: DpSgdSettings, dimension: int) -> NoiseLattice:
+    return NoiseLattice.for_settings(MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier),
+                                     dimension)
+
+
+def _noise_std(settings: DpSgdSettings, lattice: NoiseLattice) -> float:
+    return settings.noise_multiplier * (settings.max_grad_norm + 2 * lattice.rounding_slack)
 
 
 def train_dpsgd(
@@ -203,7 +214,8 @@ def train_dpsgd(
             raise _reject(key, value, expected)
     accountant = _accountant(settings, accountant_state)
     if len(data) == 0:
-        return LocalTraining(float("nan"), 0, 0), _privacy(accountant, settings)
+        return LocalTraining(float("nan"), 0, 0), _privacy(accountant, settings,
+                                                           (accountant_state or {}).get("noise_values"))
     if len(data) > MAX_CONTRIBUTIONS:
         raise ValueError(f"dpsgd: {len(data)} records exceed the {MAX_CONTRIBUTIONS} that the int64 lattice sum holds")
     # Opacus is imported here, not at module level: a ClientApp message runs in a fresh process
@@ -222,6 +234,7 @@ def train_dpsgd(
     sgd = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
     common = {"noise_multiplier": settings.noise_multiplier, "max_grad_norm": settings.max_grad_norm,
               "expected_batch_size": min(batch_size, len(data)), "loss_reduction": "mean"}  # q·N
+    noise_values = None  # Opacus' secure mode draws its own noise; fedhog's sampler is accounted below
     if settings.noise == "opacus-secure":
         secure = _secure_generator()
         batches = UniformWithReplacementSampler(num_samples=len(data), sample_rate=sample_rate,
@@ -230,7 +243,9 @@ def train_dpsgd(
     else:
         dimension = sum(p.numel() for p in model.parameters() if p.requires_grad)
         steps_so_far = sum(int(n) for _, _, n in accountant.history)
-        _check_noise_tail(settings, dimension, steps_so_far + epochs * steps_per_epoch)
+        lattice = _lattice(settings, dimension)
+        noise_values = [_noise_std(settings, lattice) / lattice.granularity, dimension]
+        _check_noise_tail(settings, noise_values, steps_so_far + epochs * steps_per_epoch)
         batches = _PoissonBatches(bits, len(data), sample_rate, steps_per_epoch)
         optimizer = _lattice_optimizer_class()(sgd, bits=bits, settings=settings, **common)
     hooks = GradSampleHooks(model, batch_first=True, loss_reduction="mean")
@@ -257,7 +272,7 @@ def train_dpsgd(
         for parameter in model.parameters():  # DPOptimizer's buffer, which cleanup() leaves
             parameter.__dict__.pop("summed_grad", None)
     mean_loss = float(np.mean(losses)) if losses else float("nan")
-    return LocalTraining(mean_loss, steps, 0), _privacy(accountant, settings)
+    return LocalTraining(mean_loss, steps, 0), _privacy(accountant, settings, noise_values)
 
 
 class _PoissonBatches:
@@ -300,15 +315,15 @@ def _lattice_optimizer_class() -> type:
     return LatticeNoiseDPOptimizer
 
 
-def _check_noise_tail(settings: DpSgdSettings, dimension: int, steps: int) -> None:
-    """Refuse a σ whose truncated normals (|z| ≤ 13.37) would add more than 1% of δ over ``steps`` releases."""
+def _check_noise_tail(settings: DpSgdSettings, noise_values: list, steps: int) -> None:
+    """Refuse a σ for which the noise sampler's slack would add more than 1 % of δ over ``steps`` releases."""
     if settings.noise_multiplier == 0:
         return
-    tail = noise_tail_delta(settings.noise_multiplier, dimension, steps)
+    tail = sampler_slack(settings.noise_multiplier, *noise_values, steps, CHECKED_EPSILON, settings.delta).delta
     if tail > MAX_TAIL_DELTA_SHARE * settings.delta:
         raise _reject("noise_multiplier", settings.noise_multiplier,
-                      f"a σ large enough for fedhog's noise sampler: its normals stop at {MAX_STANDARD_NORMAL:.2f} "
-                      f"standard deviations, which adds {tail:.3g} to δ={settings.delta:g} over {steps} steps")
+                      f"a σ large enough for the analysis of fedhog's noise sampler (values within 20 standard "
+                      f"deviations), which adds {tail:.3g} to δ={settings.delta:g} over {steps} steps")
 
 
 def _secure_generator() -> torch.Generator:
@@ -335,7 +350,8 @@ def _accountant(settings: DpSgdSettings, state: Mapping[str, Any] | None):
     return accountant
 
 
-def _privacy(accountant, settings: DpSgdSettings) -> RecordPrivacy:
+def _privacy(accountant, settings: DpSgdSettings, noise_values: list | None) -> RecordPrivacy:
+    """ε so far (with fedhog's sampler slack when its noise was drawn: ``noise_values`` = [σ/g, d]) and the state."""
     history = [(float(s), float(q), int(n)) for s, q, n in accountant.history]
     steps = sum(n for _, _, n in history)
     if steps == 0:
@@ -345,5 +361,9 @@ def _privacy(accountant, settings: DpSgdSettings) -> RecordPrivacy:
     else:
         with np.errstate(divide="ignore"):  # PRV at q = 1 takes log(1 - q); its ε is still right
             epsilon = float(accountant.get_epsilon(delta=settings.delta))
+    if noise_values is not None and math.isfinite(epsilon) and steps:
+        epsilon += sampler_slack(settings.noise_multiplier, *noise_values, steps, epsilon, settings.delta).epsilon
     state = {"mechanism": accountant.mechanism(), "history": [list(h) for h in history]}
+    if noise_values is not None:
+        state["noise_values"] = [float(noise_values[0]), int(noise_values[1])]  # public: σ/g and the model size
     return RecordPrivacy(epsilon, settings.delta, steps, state)

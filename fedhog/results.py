@@ -168,6 +168,18 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+WITHHELD = "withheld"  # what metrics.json says of a fixed privacy-seed
+
+
+def published_config(config: RunConfig) -> dict[str, Any]:
+    """The config as ``metrics.json`` shows it: a fixed ``privacy-seed`` withheld (``config.toml``, which
+    ``--resume`` needs, keeps it: that file is the run's private input, not a result to publish)."""
+    mapping = config.to_mapping()
+    if config.privacy_seed >= 0:
+        mapping["privacy-seed"] = WITHHELD
+    return mapping
+
+
 class ResultsWriter:
     """Writes ``config.toml``, ``metrics.json`` and ``final_model.pt`` into one folder.
 
@@ -182,7 +194,7 @@ class ResultsWriter:
             "status": "running",
             **({"launch": launch} if launch is not None else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "config": config.to_mapping(),
+            "config": published_config(config),
             "rounds": [],
         }
         atomic_write(self.directory / "config.toml", config_to_toml(config).encode())

@@ -184,9 +184,9 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     writer.update(job_id=job_id, privacy=_privacy_record(
         config, strategy.accountant.has_guarantee, strategy.accountant.method,
         event.noise_multiplier if event else noise.accountant_noise_multiplier if noise else None,
-        randomness="fixed privacy-seed (predictable)" if strategy.randomness.seed_is_fixed
-        else "OS entropy (ChaCha20, 256-bit keys)",
-        sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds),
+        **({"randomness": "fixed privacy-seed (repeatable, for experiments)", "epsilon_void_against": SEEDED_VOID}
+           if strategy.randomness.seed_is_fixed else {"randomness": "OS entropy (ChaCha20, 256-bit keys)"}),
+        **_sampler_record(strategy, numel, config.rounds),
         **_secure_aggregation_record(config, strategy.secure_aggregation)))
     discovery_started = time.perf_counter()
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
@@ -243,6 +243,21 @@ def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | Non
             config.sampling, config.sampling_rate, config.population, config.rounds)}
     noise = settings.noise  # fixed-size cohorts only (K ≥ 2): no small-cohort δ; its σ replaces the config's
     return {**record, **noise.record(), "noise_multiplier": noise.noise_multiplier}
+
+
+#: Whom a seeded run's ε does not protect against: its noise can be recomputed from the seed, and a seed
+#: below 2⁶³ (all a TOML integer holds) is found from two released models by trying seeds in order.
+SEEDED_VOID = "anyone who holds the config or can guess privacy-seed: the noise can be recomputed and subtracted"
+
+
+def _sampler_record(strategy: SecureAggregator, numel: int, rounds: int) -> dict[str, object]:
+    """How the noise is drawn, and what its sampler adds to (ε, δ) over the planned rounds (included in ε)."""
+    strategy.cover_sampler(numel)
+    if not isinstance(strategy.accountant, ClientLevelAccountant) or not strategy.accountant.has_guarantee:
+        return {}
+    slack = strategy.accountant.sampler_slack(rounds)
+    return {"noise_sampler": "discrete Gaussian on the lattice (exact sampler)",
+            "sampler_epsilon_slack": slack.epsilon, "sampler_delta_slack": slack.delta}
 
 
 def _privacy_record(config: RunConfig, has_guarantee: bool, accountant: str,

@@ -30,12 +30,12 @@ from .privacy.mechanism import (
     MAX_TAIL_DELTA_SHARE,
     Contribution,
     MechanismSettings,
+    NoiseLattice,
     add_noise,
     aggregate,
-    noise_tail_delta,
     norms_of,
 )
-from .privacy.randomness import MAX_STANDARD_NORMAL, PrivacyRandomness, RoundRandomness, standard_normal
+from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
@@ -215,9 +215,9 @@ class SecureAggregator(Strategy):
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
                 "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
         if self.randomness.seed_is_fixed:
-            log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible and therefore "
-                "predictable to anyone who knows the seed; the ε printed holds only against those who do not. "
-                "Use it for experiments only")
+            log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible, so the ε printed is void "
+                "against anyone who holds the config or guesses the seed (small seeds are found by trying them in "
+                "order). Use it for experiments only")
 
     @property
     def slot_of_node(self) -> dict[int, int]:
@@ -230,14 +230,18 @@ class SecureAggregator(Strategy):
         self._slots = sorted(mapping.values())  # computed once, not every round (100 000 clients: 25 ms)
         self._node_of_slot = {slot: node for node, slot in mapping.items()}
 
-    def sampler_tail_delta(self, numel: int, rounds: int) -> float:
-        """What the sampler's truncated normals add to δ over ``rounds`` releases.
+    def cover_sampler(self, numel: int) -> None:
+        """Tell the accountant what each release draws from the lattice sampler (its slack enters ε and δ).
 
-        0 without a guarantee, and with distributed noise (discrete Gaussians, no truncated normals).
+        Nothing with distributed noise: its own accountant covers the clients' discrete Gaussians.
         """
-        if not self.accountant.has_guarantee or self.accountant.event is None:
-            return 0.0
-        return noise_tail_delta(self.accountant.event.noise_multiplier, numel, rounds)
+        if not isinstance(self.accountant, ClientLevelAccountant) or not self.accountant.has_guarantee:
+            return
+        lattice = (NoiseLattice.for_settings(self.mechanism, numel) if self.secure_aggregation is None
+                   else self.secure_aggregation.lattice.noise_lattice(numel))
+        std_steps = lattice.sum_std(self.mechanism) / lattice.granularity
+        count_values = 0 if self.adaptive_clipping is None else 1  # the noisy count: finer than the model's noise
+        self.accountant.cover_sampler(std_steps, numel + count_values)
 
     # --- the population --------------------------------------------------------
     def discover(self, grid: Grid, population: int, timeout: float, identify: bool) -> None:
@@ -551,12 +555,14 @@ class SecureAggregator(Strategy):
         """
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
-        tail = self.sampler_tail_delta(sum(int(np.prod(a.shape)) for a in initial_arrays.values()), num_rounds)
-        if tail > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
-            raise ValueError(
-                f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise sampler: "
-                f"its normals stop at {MAX_STANDARD_NORMAL:.2f} standard deviations, which adds up to "
-                f"{tail:.3g} to δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
+        self.cover_sampler(sum(int(np.prod(a.shape)) for a in initial_arrays.values()))
+        if isinstance(self.accountant, ClientLevelAccountant):
+            tail = self.accountant.sampler_slack(num_rounds).delta
+            if tail > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
+                raise ValueError(
+                    f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise "
+                    f"sampler's analysis (values within 20 standard deviations): it adds up to {tail:.3g} to "
+                    f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
         result = Result()
         arrays = initial_arrays
         for server_round in range(first_round, num_rounds + 1):

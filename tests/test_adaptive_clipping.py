@@ -23,7 +23,7 @@ from fedhog.privacy.adaptive_clipping import (
     update_noise_multiplier,
 )
 from fedhog.privacy.mechanism import LATTICE_BITS
-from fedhog.privacy.randomness import SeededBits, standard_normal
+from fedhog.privacy.randomness import SeededBits, discrete_gaussian
 
 
 def generator(seed: int = 0) -> SeededBits:
@@ -254,7 +254,7 @@ def test_out_of_range_fraction_is_clamped_before_the_update():
 # --- the count's noise -----------------------------------------------------------
 
 
-def test_count_noise_is_sigma_b_times_the_streams_normal_up_to_the_lattice():
+def test_count_noise_is_the_streams_discrete_gaussian_on_the_lattice():
     sigma_b, cohort = 3.0, 50
     granularity = 2.0 ** (1 - LATTICE_BITS)  # 2^(⌊log2 3⌋ − 40)
     c = clipper(sigma=1.0, initial_clipping_norm=1.0, count_noise_std=sigma_b)
@@ -263,8 +263,8 @@ def test_count_noise_is_sigma_b_times_the_streams_normal_up_to_the_lattice():
     for _ in range(20):
         norms = [0.5 * c.clipping_norm] * 25 + [2.0 * c.clipping_norm] * 25  # exactly half under C
         result = c.step(norms, cohort, g)
-        expected = 0.5 + sigma_b * float(standard_normal(mirror, 1)[0]) / cohort
-        assert result.noisy_unclipped_fraction == pytest.approx(expected, abs=granularity / 2 / cohort + 1e-16)
+        steps = int(discrete_gaussian(mirror, 1, sigma_b / granularity)[0])
+        assert result.noisy_unclipped_fraction == 0.5 + steps * granularity / cohort
 
 
 def test_count_noise_std_is_statistically_correct():
@@ -282,11 +282,10 @@ def test_count_noise_std_is_statistically_correct():
     assert scipy_stats.kstest(errors / scale, "norm").pvalue > 1e-3
 
 
-def test_zero_count_noise_still_draws_once_per_step():
+def test_zero_count_noise_draws_nothing():
     g, mirror = generator(3), generator(3)
     clipper().step([1.0, 2.0], 4, g)
-    standard_normal(mirror, 1)
-    assert np.array_equal(g.words(4), mirror.words(4))  # both streams are at the same place
+    assert np.array_equal(g.words(4), mirror.words(4))  # σ_b = 0: the stream is where it was
 
 
 def test_global_rngs_untouched():

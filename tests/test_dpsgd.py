@@ -24,7 +24,7 @@ from fedhog.data import ArrayData, load_digits
 from fedhog.dpsgd import DpSgdSettings, lattice_noisy_sum, record_privacy, train_dpsgd
 from fedhog.models import build_model
 from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
-from fedhog.privacy.randomness import SecureBits, SeededBits
+from fedhog.privacy.randomness import SecureBits, SeededBits, sampler_log_ratio_bound
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's dropped-RDP-order warnings
 
@@ -204,12 +204,19 @@ def test_epsilon_is_opacus_accountant_of_the_poisson_subsampled_gaussian(digits,
                              _settings(sigma, accountant=accountant))
     q, steps = batch_size / len(digits), epochs * 10
     assert privacy.steps == steps
-    assert privacy.accountant_state == {"mechanism": accountant, "history": [[sigma, q, steps]]}
+    dimension = sum(p.numel() for p in _model().parameters())
+    std_steps, values = privacy.accountant_state["noise_values"]
+    assert privacy.accountant_state == {"mechanism": accountant, "history": [[sigma, q, steps]],
+                                        "noise_values": [std_steps, dimension]}
+    assert 2.0**40 <= std_steps <= 2.0**42  # σ·(C + g√d)/g with g = 2^(⌊log2 σC⌋ − 40)
 
     independent = PRVAccountant() if accountant == "prv" else RDPAccountant()
     for _ in range(steps):
         independent.step(noise_multiplier=sigma, sample_rate=q)
-    assert privacy.epsilon == pytest.approx(independent.get_epsilon(delta=DELTA), rel=1e-12)
+    # plus the sampler's slack: 2·T·d·(η + 17/σ_ℤ²), the closed form of mechanism.sampler_slack's ε
+    slack = 2 * steps * dimension * (sampler_log_ratio_bound() + 17 / std_steps**2)
+    assert 0 < slack < 1e-6
+    assert privacy.epsilon == pytest.approx(independent.get_epsilon(delta=DELTA) + slack, rel=1e-12)
 
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
@@ -233,7 +240,9 @@ def test_epsilon_accumulates_over_rounds_only_when_the_state_is_carried(digits):
     twice = RDPAccountant()
     for _ in range(second.steps):
         twice.step(noise_multiplier=1.0, sample_rate=0.1)
-    assert second.epsilon == pytest.approx(twice.get_epsilon(delta=DELTA), rel=1e-12)
+    std_steps, dimension = second.accountant_state["noise_values"]
+    slack = 2 * second.steps * dimension * (sampler_log_ratio_bound() + 17 / std_steps**2)
+    assert second.epsilon == pytest.approx(twice.get_epsilon(delta=DELTA) + slack, rel=1e-12)
     assert fresh.steps == first.steps and fresh.epsilon == pytest.approx(first.epsilon, rel=1e-12)
     assert record_privacy(settings, carried).epsilon == first.epsilon
     assert record_privacy(settings, None).epsilon == 0.0
@@ -297,9 +306,9 @@ def test_bad_training_arguments_are_rejected_by_name(digits, field, value):
         train_dpsgd(_model(), digits, bits=SeededBits(0), settings=_settings(), **kwargs)
 
 
-def test_a_sigma_too_small_for_the_truncated_normals_is_refused(digits):
-    # |z| ≤ 13.37: with σ = 0.05 a neighbour's shift of 1/σ = 20 standard deviations leaves the noise's support
-    with pytest.raises(ValueError, match=r"dpsgd: noise_multiplier=0\.05 .* normals stop at 13\.37"):
+def test_a_sigma_too_small_for_the_samplers_analysis_is_refused(digits):
+    # values are analysed within 20 std: with σ = 0.05 a neighbour's shift of 1/σ = 20 std leaves that window
+    with pytest.raises(ValueError, match=r"dpsgd: noise_multiplier=0\.05 .* within 20 standard deviations"):
         train_dpsgd(_model(), digits, 1, 10, 0.1, 0.0, SeededBits(0), _settings(sigma=0.05))
 
 

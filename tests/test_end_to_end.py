@@ -79,6 +79,19 @@ def test_fixed_privacy_seed_reproduces_the_run(tmp_path):
     assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
 
 
+def test_a_seeded_runs_epsilon_is_labelled_void_and_its_seed_is_not_published(tmp_path):
+    seed = 918_273_645_546_372_819
+    metrics = _run(tmp_path, rounds=1, **{"privacy-seed": seed})
+    assert metrics["config"]["privacy-seed"] == "withheld"
+    assert "holds the config" in metrics["privacy"]["epsilon_void_against"]
+    published = [path for path in (tmp_path / "run").iterdir() if path.name != "config.toml"]  # --resume's input
+    for path in published:
+        assert str(seed).encode() not in path.read_bytes(), path.name
+    assert f"privacy-seed = {seed}" in (tmp_path / "run" / "config.toml").read_text()
+    unseeded = _run(tmp_path / "os", rounds=1, **{"privacy-seed": -1})
+    assert unseeded["config"]["privacy-seed"] == -1 and "epsilon_void_against" not in unseeded["privacy"]
+
+
 def test_no_mechanism_reports_infinite_epsilon(tmp_path):
     metrics = _run(tmp_path, mechanism="none", rounds=2)
     assert metrics["summary"]["epsilon"] == "inf"

@@ -17,9 +17,9 @@ from fedhog.privacy.mechanism import (
     NoiseLattice,
     aggregate,
     constrain_sensitivity,
-    noise_tail_delta,
+    sampler_slack,
 )
-from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits
+from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits, sampler_log_ratio_bound
 
 F64 = torch.float64
 
@@ -214,14 +214,20 @@ def test_release_is_a_lattice_point_whatever_the_data():
         assert torch.equal(steps, torch.round(steps))
 
 
-def test_noise_tail_delta_closed_form():
-    # 2·d·Φ(−(R − 1/σ)) with R = √(2·129·ln 2)
-    assert MAX_STANDARD_NORMAL == pytest.approx(math.sqrt(2 * 129 * math.log(2)), rel=1e-15)
-    assert noise_tail_delta(1.0, 10**6) == pytest.approx(2e6 * scipy_stats.norm.sf(MAX_STANDARD_NORMAL - 1), rel=1e-9)
-    assert noise_tail_delta(1.0, 5 * 10**6) < 1e-25  # σ = 1, a 5M-parameter model: nothing to add
-    assert noise_tail_delta(0.1, 10) == pytest.approx(20 * scipy_stats.norm.sf(MAX_STANDARD_NORMAL - 10), rel=1e-9)
-    assert noise_tail_delta(0.05, 10) == 1.0  # a shift of 20 std, beyond 13.4: the bound is vacuous, capped at 1
-    assert noise_tail_delta(0.0, 10) == 1.0
+def test_sampler_slack_closed_form():
+    eta = sampler_log_ratio_bound()
+    assert 2e-13 < eta < 3e-13  # 2·(231·5·2⁻⁵³ + 22·2⁻⁵² + 4·2⁻⁵²)
+    std, d, rounds = 2.0**40, 10**6, 100
+    kappa = rounds * d * (eta + 17 / std**2)
+    outside = rounds * d * 2.7 * math.exp(-(20 - 1) ** 2 / 2)
+    slack = sampler_slack(1.0, std, d, rounds, 3.0, 1e-5)
+    assert slack.epsilon == pytest.approx(2 * kappa, rel=1e-12)
+    assert slack.delta == pytest.approx(math.expm1(kappa) * 1e-5 + outside * (1 + math.exp(3.0 + kappa)), rel=1e-9)
+    assert slack.epsilon < 1e-4 and slack.delta < 1e-9  # σ = 1, a 1M-parameter model, 100 rounds: negligible
+    # a coarse lattice (σ_ℤ = 2^10 steps): the discrete-vs-rounded Gaussian term 17/σ_ℤ² dominates
+    assert sampler_slack(1.0, 2.0**10, 10, 1, 1.0, 1e-5).epsilon == pytest.approx(2 * 10 * (eta + 17 / 2.0**20))
+    assert sampler_slack(0.05, std, 10, 1, 1.0, 1e-5).delta >= 1.0  # a shift of 20 std leaves the window: vacuous
+    assert sampler_slack(0.0, std, 10, 1, 1.0, 1e-5) == sampler_slack(1.0, std, 10, 0, 1.0, 1e-5)  # no noise/release
 
 
 # --- aggregate: the deterministic part ----------------------------------------

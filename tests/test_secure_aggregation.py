@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from fedhog.config import ConfigError, RunConfig
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
 from fedhog.privacy.randomness import SeededBits
-from fedhog.secure_aggregation.client import SecAggPlusState, handle_stage
+from fedhog.secure_aggregation.client import ClientGuard, SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
 from fedhog.server_app import app as server_app
@@ -74,24 +75,65 @@ def _contributions(n: int) -> dict[int, np.ndarray]:
     return levels
 
 
-def _secure_app(levels: dict[int, np.ndarray]) -> ClientApp:
+def _secure_app(levels: dict[int, np.ndarray], guard: ClientGuard | None = None) -> ClientApp:
     app = ClientApp()
+    guard = guard or ClientGuard(threshold=0.0, num_shares=0, cohort=None)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         mine = levels[int(context.node_config["partition-id"])]
-        return handle_stage(msg, context, lambda bits: ModularLattice.for_cohort(CLIP, len(levels), bits).encode(mine))
+        return handle_stage(msg, context, lambda bits: ModularLattice.for_cohort(CLIP, len(levels), bits).encode(mine),
+                            guard)
 
     return app
 
 
 def _run_sum(n: int, drop_at: str | None = None, drop: tuple[int, ...] = (), num_shares: int = 0,
-             threshold: float = 0.66):
+             threshold: float = 0.66, guard: ClientGuard | None = None):
+    """A secure sum of n contributions; the clients require what the server runs unless ``guard`` says otherwise."""
     levels = _contributions(n)
-    grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=drop_at, drop=drop)
+    guard = guard or ClientGuard(threshold, num_shares, cohort=n)
+    grid = DroppingGrid(_secure_app(levels, guard), n, {}, drop_at=drop_at, drop=drop)
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
     settings = SecAggSettings(num_shares, threshold, ModularLattice.for_cohort(CLIP, n, 32), CLIP)
     return grid, levels, lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION, settings, 10, "1")
+
+
+# --- a server that lies: clients enforce their own config ------------------------------------------------------
+@pytest.mark.parametrize("server, reason", [
+    ({"threshold": 0.01}, "threshold of 2 shares; this client's config .* requires ≥ 4"),
+    ({"num_shares": 3}, "shares secrets with 3 nodes; this client's config .* implies 6"),
+])
+def test_clients_refuse_a_setup_weaker_than_their_own_config(server, reason):
+    n = 6
+    settings = {"num_shares": 0, "threshold": 0.66, **server}
+    grid, _, run = _run_sum(n, **settings, guard=ClientGuard(0.66, 0, cohort=n))
+    with pytest.raises(SecureAggregationFailed):
+        run()
+    errors = [r.error.reason for r in grid.replies if r.has_error()]
+    assert len(errors) == n and all(re.search(reason, e) for e in errors), errors
+    assert not any(protocol.MASKED in r.content.array_records for r in grid.replies if not r.has_error())
+
+
+def test_clients_refuse_a_setup_for_another_cohort_size():
+    grid, _, run = _run_sum(5, guard=ClientGuard(0.66, 0, cohort=8))
+    with pytest.raises(SecureAggregationFailed):
+        run()
+    assert all("a cohort of 5; this client's config fixes 8" in r.error.reason for r in grid.replies if r.has_error())
+
+
+def test_clients_refuse_to_unmask_a_sum_of_fewer_than_their_noise_shares():
+    """A server that unmasks the survivors of a dropout although the clients' σ_l assumed sums of m = 6."""
+    n = 6
+    grid, _, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
+                            guard=ClientGuard(0.66, 0, cohort=n, min_survivors=n))
+    with pytest.raises(SecureAggregationFailed):
+        run()
+    refusals = [r.error.reason for r in grid.replies if r.has_error()]
+    assert refusals and all("unmask a sum of 5 contributions" in e for e in refusals)
+    honest, _, honest_run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
+                                     guard=ClientGuard(0.66, 0, cohort=n, min_survivors=5))
+    assert honest_run().contributors == 5  # m = 5 survivors: released
 
 
 def test_modular_lattice_leaves_room_for_the_whole_cohort():
@@ -168,13 +210,15 @@ def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
 
 
 def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | None = None,
-         **overrides) -> tuple[dict, dict]:
+         client_overrides: dict | None = None, **overrides) -> tuple[dict, dict]:
+    """One run of the real apps; ``client_overrides`` give the clients a config of their own (a lying server)."""
     settings = {"dataset": "digits", "model": "logreg", "population": 8, "sampling": "fixed",
                 "sampling-rate": 0.75, "rounds": 1, "local-epochs": 1, "learning-rate": 0.1,
                 "clipping-norm": 0.5, "noise-multiplier": 0.0, "mechanism": "hog", "privacy-seed": 7,
                 "partitioner": "iid", "results-dir": str(tmp_path / name), **overrides}
     config = RunConfig().with_overrides(settings)
-    grid = DroppingGrid(fedhog_client_app, config.population, config.to_mapping(), **(grid_kwargs or {}))
+    client_config = config.with_overrides(client_overrides or {})
+    grid = DroppingGrid(fedhog_client_app, config.population, client_config.to_mapping(), **(grid_kwargs or {}))
     if grids is not None:
         grids.append(grid)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
@@ -193,21 +237,39 @@ def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound
     trusted, trusted_model = _run(tmp_path, "trusted", **{"noise-multiplier": sigma})
     secure, secure_model = _run(tmp_path, "secure", **{"noise-multiplier": sigma, "secure-aggregation": "secagg+"})
     n = secure["rounds"][0]["clients_accepted"]
-    assert n == trusted["rounds"][0]["clients_accepted"] == 6 and secure["rounds"][0]["epsilon"] == \
-        trusted["rounds"][0]["epsilon"]
+    # the same accountant; only the sampler's slack differs (17/σ_ℤ² on the coarser secure lattice: ~1e-12)
+    assert n == trusted["rounds"][0]["clients_accepted"] == 6
+    epsilons = secure["rounds"][0]["epsilon"], trusted["rounds"][0]["epsilon"]
+    assert epsilons[0] == (epsilons[1] if sigma == 0 else pytest.approx(epsilons[1], rel=1e-9))
+    if sigma > 0:  # each mode draws its own discrete Gaussian on its own lattice: the noise is not coupled
+        return
     dimension = sum(v.numel() for v in secure_model.values())
     g = secure["privacy"]["secagg_granularity"]  # g of the largest cohort: K = 6 under fixed-size sampling
     assert g == ModularLattice.for_cohort(0.5, 6, 32).granularity
     # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,
-    # and with noise the same normals Z (|Z| ≤ 13.37) rounded on the two lattices at stds that differ by σ·g√d
-    # (K = 6), then float32 rounds ū and θ + ū: half a unit in the last place each, in both modes
+    # then float32 rounds ū and θ + ū: half a unit in the last place each, in both modes
     _, initial = _run(tmp_path, "initial", **{"max-epsilon": 1e-9, "noise-multiplier": 1.0})  # stops before round 1
-    bound = (n * g + sigma * 13.37 * g * math.sqrt(dimension) + g + 2.0**-30) / 6
+    bound = (n * g + g + 2.0**-30) / 6
     for key in secure_model:
         difference = (secure_model[key] - trusted_model[key]).abs()
         ulps = 2.0**-23 * (trusted_model[key].abs() + (trusted_model[key] - initial[key]).abs())
         assert bool((difference <= bound + ulps).all()), key
     assert any(not torch.equal(secure_model[k], trusted_model[k]) for k in secure_model)  # not the same code path
+
+
+def test_a_server_that_lowers_the_threshold_gets_no_round_from_clients_that_did_not(tmp_path):
+    """The server runs secagg-threshold = 0.01 (t = 2); the clients' own config says 0.66 (t = 4): they refuse."""
+    secure = {"noise-multiplier": 0.5, "secure-aggregation": "secagg+", "noise": "distributed"}
+    grids: list = []
+    with pytest.raises(RuntimeError, match=r"every sampled client failed \(6 of 6\): RoundRefused: the server's "
+                                           r"setup asks for a threshold of 2 shares.*requires ≥ 4.*ε = 0"):
+        _run(tmp_path, "lying", grids=grids, client_overrides={"secagg-threshold": 0.66},
+             **secure, **{"secagg-threshold": 0.01})
+    metrics = json.loads((tmp_path / "lying" / "metrics.json").read_text())
+    record = metrics["rounds"][0]
+    assert record["failure"].startswith("secure aggregation failed: setup")
+    assert record["epsilon"] == 0.0 and record["clients_accepted"] == 0
+    assert all(r.has_error() for r in grids[0].replies)  # nothing but refusals left the clients
 
 
 def test_a_round_with_too_many_dropouts_releases_nothing_and_spends_no_epsilon(tmp_path):

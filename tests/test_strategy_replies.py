@@ -12,8 +12,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice, rounded_gaussian
-from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, standard_normal
+from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
+from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
 from fedhog.server_optimizer import ServerOptimizerSettings
 from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
 
@@ -246,8 +246,8 @@ def round_noise(seed, server_round, sigma, clip):
     """The noise round ``server_round`` adds to the sum with this fixed privacy seed (stream 2: noise)."""
     settings_ = MechanismSettings("gaussian", clip, sigma)
     lattice = NoiseLattice.for_settings(settings_, NUMEL)
-    steps = rounded_gaussian(SeededBits(seed, (server_round, 2)), NUMEL, lattice.sum_std(settings_), lattice.granularity)
-    return steps.numpy() * lattice.granularity
+    steps = discrete_gaussian(SeededBits(seed, (server_round, 2)), NUMEL, lattice.sum_std(settings_) / lattice.granularity)
+    return steps * lattice.granularity
 
 
 def test_noise_is_sigma_c_over_k_from_the_rounds_stream():

@@ -26,6 +26,7 @@ from flwr.supercore.privacy_accounting import (
     SamplingMethod,
 )
 
+from .mechanism import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
@@ -124,6 +125,7 @@ class ClientLevelAccountant:
         self._backend: PrivacyAccountant | None = None
         self._event: GaussianPrivacyEvent | None = None
         self.releases = 0
+        self._noise_values: tuple[float, int] | None = None  # (std in lattice steps, values drawn a release)
         if has_guarantee and noise_multiplier > 0:
             self._backend = new_backend(privacy_config(sampling, population, delta), self.method)
             self._event = GaussianPrivacyEvent(
@@ -142,6 +144,19 @@ class ClientLevelAccountant:
         """The event composed for each round's release (None without a guarantee)."""
         return self._event
 
+    def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
+        """Count the slack of fedhog's lattice sampler (:func:`~fedhog.privacy.mechanism.sampler_slack`) in ε and δ:
+        each release draws ``values_per_release`` values of std ``std_steps`` lattice steps."""
+        self._noise_values = (std_steps, values_per_release)
+
+    def sampler_slack(self, releases: int | None = None) -> SamplerSlack:
+        """What the sampler adds to ε and δ after ``releases`` releases (default: those so far)."""
+        releases = self.releases if releases is None else releases
+        if self._backend is None or self._noise_values is None or releases == 0:
+            return SamplerSlack(0.0, 0.0)
+        epsilon = self._backend.get_epsilon(self.delta) if releases == self.releases else self._projected(releases)
+        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, epsilon, self.delta)
+
     def compose_round(self) -> None:
         """Record one released round."""
         self.releases += 1
@@ -154,7 +169,7 @@ class ClientLevelAccountant:
             return math.inf if self.releases else 0.0
         if self.releases == 0:
             return 0.0
-        return self._backend.get_epsilon(self.delta)
+        return self._backend.get_epsilon(self.delta) + self.sampler_slack().epsilon
 
     def would_exceed(self, max_epsilon: float) -> bool:
         """Whether releasing one more round would push ε past ``max_epsilon``."""
@@ -162,14 +177,24 @@ class ClientLevelAccountant:
             return False
         if self._backend is None:
             return True
+        slack = self.sampler_slack(self.releases + 1).epsilon
         if self.method == "pld":
             # one composition with count T+1, cached for the next round's epsilon()
-            return self._backend.would_exceed(self._event, max_epsilon)
-        # Every round releases the same event, so one composition of it with count T+1
-        # answers in constant time (Flower's would_exceed replays all T events).
-        projected = RdpAccountant(self._backend.config)
-        projected.compose(self._event, count=self.releases + 1)
-        return projected.get_epsilon(self.delta) > max_epsilon
+            return self._backend.would_exceed(self._event, max_epsilon - slack)
+        return self._projected(self.releases + 1) + slack > max_epsilon
+
+    def _projected(self, releases: int) -> float:
+        """ε after ``releases`` releases of the round's event (RDP: one composition with that count, in constant time;
+        Flower's would_exceed replays every event)."""
+        if self.method == "pld":
+            from .pld import PldAccountant
+
+            projected: PrivacyAccountant = PldAccountant(self._backend.config,
+                                                         value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
+        else:
+            projected = RdpAccountant(self._backend.config)
+        projected.compose(self._event, count=releases)
+        return projected.get_epsilon(self.delta)
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""

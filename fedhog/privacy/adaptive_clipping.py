@@ -56,7 +56,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
-from .mechanism import LATTICE_BITS, rounded_gaussian
+from .mechanism import LATTICE_BITS
+from .randomness import lattice_gaussian
 from .randomness import RandomBits
 
 # Andrew et al. use σ_b = K/20 in their experiments: the count then costs little
@@ -201,8 +202,8 @@ class AdaptiveClipping:
         expected_cohort : float
             K, the same fixed denominator as the averaged update.
         bits : RandomBits
-            The round's noise stream; exactly one N(0, 1) is drawn per call
-            (also when σ_b = 0), so later draws do not depend on σ_b.
+            The round's noise stream; the noisy count's N_ℤ(0, (σ_b/g)²) is drawn
+            from it (nothing when σ_b = 0), after the model's noise.
         """
         _require_positive_finite("expected_cohort", expected_cohort)
         if not callable(getattr(bits, "words", None)):
@@ -215,7 +216,7 @@ class AdaptiveClipping:
         centred_sum = sum(0.5 if n <= current else -0.5 for n in norms)
         sigma_b = self.settings.count_noise_std
         granularity = 2.0 ** (math.floor(math.log2(max(sigma_b, 1.0))) - LATTICE_BITS)  # divides ½
-        noise = float(rounded_gaussian(bits, 1, sigma_b, granularity)[0]) * granularity
+        noise = float(lattice_gaussian(bits, 1, sigma_b / granularity)[0]) * granularity if sigma_b > 0 else 0.0
         noisy_fraction = (centred_sum + noise) / expected_cohort + 0.5
         clamped = min(1.0, max(0.0, noisy_fraction))
         next_norm = current * math.exp(-self.settings.learning_rate * (clamped - self.settings.target_quantile))

@@ -12,6 +12,7 @@ share (:mod:`.distributed_noise`), masked with :func:`.masking.mask`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -30,6 +31,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from .. import protocol
+from .graph import share_count, threshold_count
 from .masking import mask
 
 #: ``contribute(modulus_bits)``: this client's quantised (and, with distributed noise, noised) contribution
@@ -42,8 +44,65 @@ def is_secaggplus(msg: Message) -> bool:
     return RECORD_KEY_CONFIGS in msg.content.config_records
 
 
-def handle_stage(msg: Message, context: Context, contribute: Contribute) -> Message:
-    """Run the stage ``msg`` asks for; reply with its config record (and the masked vector when collecting)."""
+class RoundRefused(ValueError):
+    """The server asked for a secure round weaker than this client's own config allows."""
+
+
+@dataclass(frozen=True)
+class ClientGuard:
+    """What a client requires of every secure round, from its own run config and never from the server.
+
+    A malicious server could otherwise talk clients into a lower SecAgg+
+    threshold (fewer shares reconstruct a client's mask), a smaller share
+    graph, or, with distributed noise, unmasking a sum of fewer than the m
+    noise shares each client's σ_l was calibrated for.
+
+    Parameters
+    ----------
+    threshold : float
+        ``secagg-threshold``: t must be at least max(2, ⌈threshold·k⌉).
+    num_shares : int
+        ``secagg-num-shares``: k must follow from it and the cohort size n.
+    cohort : int or None
+        With fixed-size cohorts, the n every round must have; None under Poisson sampling.
+    min_survivors : int
+        m with distributed noise (2 otherwise): with the whole cohort as the
+        share graph, a client releases its shares only when at least m
+        contributions are unmasked together. With a sparse ring a client sees
+        only its neighbours, so against a server that misreports dropouts only
+        the threshold check holds (the README's threat model says so).
+    """
+
+    threshold: float
+    num_shares: int
+    cohort: int | None
+    min_survivors: int = 2
+
+    def check_setup(self, configs: ConfigRecord) -> None:
+        """Refuse a setup whose n, k or t is not what this client's config implies."""
+        n, k, t = (int(cast(int, configs[key])) for key in (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD))
+        if self.cohort is not None and n != self.cohort:
+            raise RoundRefused(f"the server's setup has a cohort of {n}; this client's config fixes {self.cohort}")
+        if k != share_count(n, self.num_shares):
+            raise RoundRefused(f"the server's setup shares secrets with {k} nodes; this client's config "
+                               f"(secagg-num-shares={self.num_shares}) implies {share_count(n, self.num_shares)}")
+        if t < threshold_count(k, self.threshold):
+            raise RoundRefused(f"the server's setup asks for a threshold of {t} shares; this client's config "
+                               f"(secagg-threshold={self.threshold:g}) requires ≥ {threshold_count(k, self.threshold)}")
+
+    def check_unmask(self, state: SecAggPlusState, configs: ConfigRecord) -> None:
+        """Refuse to help unmask a sum of fewer than m contributions (where the client sees the whole cohort)."""
+        survivors = len(cast(list[int], configs[Key.ACTIVE_NODE_ID_LIST]))
+        if state.share_num == state.sample_num and survivors < self.min_survivors:
+            raise RoundRefused(f"the server asks to unmask a sum of {survivors} contributions; this client's noise "
+                               f"share was calibrated for sums of ≥ {self.min_survivors}")
+
+
+def handle_stage(msg: Message, context: Context, contribute: Contribute, guard: ClientGuard) -> Message:
+    """Run the stage ``msg`` asks for; reply with its config record (and the masked vector when collecting).
+
+    ``guard`` checks the setup and the unmask request against the client's own config first.
+    """
     if RECORD_KEY_STATE not in context.state.config_records:
         context.state.config_records[RECORD_KEY_STATE] = ConfigRecord({})
     state = SecAggPlusState(**context.state.config_records[RECORD_KEY_STATE])
@@ -53,6 +112,7 @@ def handle_stage(msg: Message, context: Context, contribute: Contribute) -> Mess
     check_configs(state.current_stage, configs)
     content = RecordDict()
     if state.current_stage == Stage.SETUP:
+        guard.check_setup(configs)
         state.nid = msg.metadata.dst_node_id
         result = _setup(state, configs)
     elif state.current_stage == Stage.SHARE_KEYS:
@@ -61,6 +121,7 @@ def handle_stage(msg: Message, context: Context, contribute: Contribute) -> Mess
         content[protocol.MASKED] = ArrayRecord({protocol.MASKED: Array(_masked_vector(state, configs, contribute))})
         result = {}
     else:
+        guard.check_unmask(state, configs)
         result = _unmask(state, configs)
     context.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
     content[RECORD_KEY_CONFIGS] = ConfigRecord(result, False)

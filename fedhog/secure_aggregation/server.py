@@ -41,6 +41,7 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 from .. import protocol
 from ..monitoring import reply_nbytes
 from .distributed_noise import DistributedNoise
+from .graph import share_count, threshold_count
 from .masking import mask
 from .quantization import ModularLattice
 
@@ -126,8 +127,8 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
         raise SecureAggregationFailed(f"a cohort of {n} cannot be aggregated securely (SecAgg+ needs ≥ 2"
                                       + ("" if settings.noise is None else
                                          f", distributed noise m = {settings.min_contributors}") + ")")
-    k = n if settings.num_shares == 0 or settings.num_shares >= n else settings.num_shares | 1  # odd: a ring
-    state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=max(2, math.ceil(settings.threshold * k)),
+    k = share_count(n, settings.num_shares)
+    state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=threshold_count(k, settings.threshold),
                    lattice=settings.lattice)
 
     setup = {Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,

@@ -19,7 +19,7 @@ import torch
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, load_config
 from ..progress import console, read_metrics_file
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
 from .report import summary_markdown, tuning_markdown
@@ -48,7 +48,7 @@ def is_finished(cell: Cell) -> bool:
     document = _finished_metrics(cell)
     if document is None:
         return False
-    stored = RunConfig.from_mapping(document["config"])
+    stored = load_config(cell.directory / "config.toml")  # metrics.json withholds a fixed privacy-seed
     wanted = replace(cell.config, results_dir="")
     if replace(stored, results_dir="") != wanted:
         expected = wanted.to_mapping()
