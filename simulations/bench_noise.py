@@ -5,7 +5,8 @@ Each row times, interleaved and repeated (median), on the same machine in one ru
 - ``torch.randn float32`` / ``float64``: PyTorch's CPU generator (Mersenne Twister), what the first wave used;
 - ``fedhog, seeded``: :func:`fedhog.privacy.mechanism.add_noise` with a fixed privacy seed (PCG64);
 - ``fedhog, OS entropy``: the same with fresh 256-bit ChaCha20 keys (the default), split into
-  ``keystream`` (the ChaCha20 words alone) and the rest (Box–Muller, lattice rounding, the sum);
+  ``keystream`` (the ChaCha20 words alone, as many as the draw consumes) and the rest (the exact
+  discrete Gaussian sampler, the sum);
 - ``Opacus secure mode``: its sampler's arithmetic, 4 + 1 ``torch.normal`` calls (here from torch's
   default generator; Opacus draws them from torchcsprng, which is slower).
 
@@ -33,6 +34,17 @@ def opacus_secure_sampler(count: int) -> torch.Tensor:
     for _ in range(4):
         total += torch.normal(0.0, 1.0, size=(count,))
     return total / 2
+
+
+class _CountingBits:
+    """A RandomBits that counts the words drawn through it."""
+
+    def __init__(self, bits: SeededBits) -> None:
+        self.bits, self.count = bits, 0
+
+    def words(self, count: int):
+        self.count += count
+        return self.bits.words(count)
 
 
 def measure(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -65,18 +77,21 @@ def main() -> None:
     for size in args.sizes:
         lattice = NoiseLattice.for_settings(settings, size)
         zero_sum = torch.zeros(size, dtype=torch.int64)
+        counter = _CountingBits(SeededBits(1))
+        add_noise(zero_sum, settings, lattice, counter)
+        consumed = counter.count
         candidates = {
             "randn32": lambda: torch.randn(size),
             "randn64": lambda: torch.randn(size, dtype=torch.float64),
             "seeded": lambda: add_noise(zero_sum, settings, lattice, SeededBits(1)),
             "secure": lambda: add_noise(zero_sum, settings, lattice, SecureBits()),
-            "keystream": lambda: SecureBits().words(size + size // 1024),
+            "keystream": lambda: SecureBits().words(consumed),
             "opacus": lambda: opacus_secure_sampler(size),
         }
         median = measure(candidates, args.repeats)
         base = median["randn64"]
         cells = [f"{median[name] * 1e3:.1f} ms ({median[name] / base:.2f}×)" for name in candidates]
-        print(f"| {size:,} | " + " | ".join(cells) + " |")
+        print(f"| {size:,} | " + " | ".join(cells) + f" |   ({consumed / size:.2f} words a value)")
 
 
 if __name__ == "__main__":

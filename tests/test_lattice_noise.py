@@ -150,21 +150,21 @@ def test_bad_sigma_is_refused(sigma):
 
 # --- the exact Bernoulli -------------------------------------------------------------------------------------
 def test_bernoulli_compares_an_unbounded_uniform_with_the_float():
-    p = np.array([0.3])  # p·2⁶⁴ is a whole number: a tie means U ≥ p
-    threshold = int(0.3 * 2.0**64)
-    assert bernoulli(Rigged([threshold - 1]), p)[0]
-    assert not bernoulli(Rigged([threshold]), p)[0]
-    assert not bernoulli(Rigged([threshold + 1]), p)[0]
-    small = np.array([1e-5])  # p·2⁶⁴ has a fraction: a tie reads the next word against it
-    whole = math.floor(1e-5 * 2.0**64)
-    next_bits = math.floor((1e-5 * 2.0**64 - whole) * 2.0**64)
-    assert 0 < next_bits
-    assert bernoulli(Rigged([whole], rest=next_bits - 1), small)[0]
-    assert not bernoulli(Rigged([whole], rest=next_bits + 1), small)[0]
-    tiny = np.array([5e-324])  # the smallest subnormal: only a long run of zero words accepts it
+    """32 random bits at a time (the low half of a word first) against p's binary digits."""
+    p = np.array([0.3])
+    whole = math.floor(0.3 * 2.0**32)
+    next_digits = math.floor((0.3 * 2.0**32 - whole) * 2.0**32)
+    assert bernoulli(Rigged([whole - 1]), p)[0]
+    assert not bernoulli(Rigged([whole + 1]), p)[0]
+    assert 0 < next_digits  # a tie reads the next 32 bits against p's next digits
+    assert bernoulli(Rigged([whole], rest=next_digits - 1), p)[0]
+    assert not bernoulli(Rigged([whole], rest=next_digits + 1), p)[0]
+    quarter = np.array([0.25])  # p·2³² is whole: a tie means U ≥ p, nothing more is read
+    assert not bernoulli(Rigged([2**30], rest=0), quarter)[0]
+    tiny = np.array([5e-324])  # the smallest subnormal: only a long run of zero bits accepts it
     assert bernoulli(Rigged([0], rest=0), tiny)[0]
     assert not bernoulli(Rigged([0], rest=1), tiny)[0]
-    assert bernoulli(Rigged([2**64 - 1]), np.array([1.0]))[0]
+    assert bernoulli(Rigged([2**32 - 1]), np.array([1.0]))[0]
     assert not bernoulli(Rigged([0]), np.array([0.0]))[0]
 
 
@@ -188,3 +188,26 @@ def test_numpys_exp_is_within_the_ulps_the_analysis_allows():
     relative = np.abs(ours - exact) / exact
     assert relative.max() <= EXP_ULPS * 2.0**-52
     assert 1e-13 < sampler_log_ratio_bound() < 1e-12
+
+
+# --- the accountant counts the sampler -------------------------------------------------------------------------
+def test_the_client_level_accountant_adds_the_samplers_slack_to_epsilon():
+    from fedhog.privacy.accounting import ClientLevelAccountant
+
+    def accountant() -> ClientLevelAccountant:
+        return ClientLevelAccountant(1.0, "poisson", 0.1, 1000, 1e-5, accountant="pld")
+
+    plain, covered = accountant(), accountant()
+    covered.cover_sampler(2.0**40, 10_000)
+    for _ in range(5):
+        plain.compose_round()
+        covered.compose_round()
+    slack = 2 * 5 * 10_000 * (sampler_log_ratio_bound() + 17 / 2.0**80)
+    assert covered.epsilon() - plain.epsilon() == pytest.approx(slack, rel=1e-3)
+    assert covered.sampler_slack(5).epsilon == pytest.approx(slack, rel=1e-12)
+    assert 0 < covered.sampler_slack(5).delta < 1e-12
+    sixth = accountant()
+    for _ in range(6):
+        sixth.compose_round()
+    budget = sixth.epsilon() + 0.6 * slack  # the sixth release fits without the slack (6/5·slack), not with it
+    assert not plain.would_exceed(budget) and covered.would_exceed(budget)

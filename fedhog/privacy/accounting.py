@@ -149,13 +149,18 @@ class ClientLevelAccountant:
         each release draws ``values_per_release`` values of std ``std_steps`` lattice steps."""
         self._noise_values = (std_steps, values_per_release)
 
-    def sampler_slack(self, releases: int | None = None) -> SamplerSlack:
-        """What the sampler adds to ε and δ after ``releases`` releases (default: those so far)."""
-        releases = self.releases if releases is None else releases
+    def sampler_slack(self, releases: int) -> SamplerSlack:
+        """What the sampler adds to ε and δ after ``releases`` releases (δ's share at the ε they reach)."""
         if self._backend is None or self._noise_values is None or releases == 0:
             return SamplerSlack(0.0, 0.0)
-        epsilon = self._backend.get_epsilon(self.delta) if releases == self.releases else self._projected(releases)
-        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, epsilon, self.delta)
+        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, self._projected(releases),
+                             self.delta)
+
+    def _epsilon_slack(self, releases: int) -> float:
+        """The sampler's share of ε after ``releases`` releases (it does not depend on ε: no composition)."""
+        if self._backend is None or self._noise_values is None or releases == 0:
+            return 0.0
+        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, 0.0, self.delta).epsilon
 
     def compose_round(self) -> None:
         """Record one released round."""
@@ -169,7 +174,7 @@ class ClientLevelAccountant:
             return math.inf if self.releases else 0.0
         if self.releases == 0:
             return 0.0
-        return self._backend.get_epsilon(self.delta) + self.sampler_slack().epsilon
+        return self._backend.get_epsilon(self.delta) + self._epsilon_slack(self.releases)
 
     def would_exceed(self, max_epsilon: float) -> bool:
         """Whether releasing one more round would push ε past ``max_epsilon``."""
@@ -177,7 +182,7 @@ class ClientLevelAccountant:
             return False
         if self._backend is None:
             return True
-        slack = self.sampler_slack(self.releases + 1).epsilon
+        slack = self._epsilon_slack(self.releases + 1)
         if self.method == "pld":
             # one composition with count T+1, cached for the next round's epsilon()
             return self._backend.would_exceed(self._event, max_epsilon - slack)
