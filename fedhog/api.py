@@ -10,7 +10,7 @@ from typing import Any
 from .config import BINARY_METRICS, ConfigError, RunConfig, check_device, load_config
 from .data import dataset_info, tabular_source
 from .models import build_model, is_factory
-from .results import claim_results_dir, default_results_dir, read_run_document, record_launch
+from .results import claim_results_dir, default_results_dir, mark_interrupted, read_run_document, record_launch
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
     try:
         ENGINES[engine].run(resolved, 1)
     except ConfigError:
+        raise
+    except KeyboardInterrupt:  # what finished stays: fedhog run --resume <directory> continues it
+        mark_interrupted(directory)
         raise
     except Exception as error:  # the ServerApp wrote the failure into metrics.json too
         raise RunFailed(f"{type(error).__name__}: {error} (what was done is in {directory})", directory) from error

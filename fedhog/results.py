@@ -113,6 +113,14 @@ def record_launch(directory: Path, launch: dict[str, Any], config: RunConfig | N
     atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
 
 
+def mark_interrupted(directory: Path) -> None:
+    """Set ``metrics.json``'s status to ``interrupted`` unless the run there finished or failed."""
+    document = read_run_document(directory)
+    if document is not None and document.get("status") in ("starting", "running"):
+        document["status"] = "interrupted"
+        atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
+
+
 def client_error_summary(reason: str, limit: int = 300) -> str:
     """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped, at most ``limit`` characters.
 

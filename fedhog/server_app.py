@@ -17,6 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
+from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
@@ -133,27 +134,32 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
             arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
                                                      checkpoint)
     except BaseException as error:
-        writer.update(status="failed", error=f"{type(error).__name__}: {error}",
-                      seconds=time.perf_counter() - started)
+        with deferred():
+            if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
+                writer.update(status="interrupted", seconds=time.perf_counter() - started)
+            else:
+                writer.update(status="failed", error=f"{type(error).__name__}: {error}",
+                              seconds=time.perf_counter() - started)
         raise
     finally:
         monitor.stop()
-    writer.save_model(arrays)
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}
-    writer.update(
-        status="finished",
-        seconds=time.perf_counter() - started,
-        summary={
-            "rounds_completed": len(rounds),
-            "rounds_planned": config.rounds,
-            "stopped_by_budget": len(rounds) < config.rounds,
-            **{f"{edge}_{name}": value for name in config.test_metrics
-               for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
-            "epsilon": epsilon,
-            "delta": config.delta,
-        },
-    )
+    with deferred():
+        writer.save_model(arrays)
+        writer.update(
+            status="finished",
+            seconds=time.perf_counter() - started,
+            summary={
+                "rounds_completed": len(rounds),
+                "rounds_planned": config.rounds,
+                "stopped_by_budget": len(rounds) < config.rounds,
+                **{f"{edge}_{name}": value for name in config.test_metrics
+                   for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
+                "epsilon": epsilon,
+                "delta": config.delta,
+            },
+        )
     log(INFO, "fedhog finished: accuracy %.4f, ε %s at δ=%g, results in %s",
         final.get("accuracy", math.nan), "∞ (no DP guarantee)" if math.isinf(epsilon) else f"{epsilon:.4g}",
         config.delta, writer.directory)
@@ -168,13 +174,16 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     strategy = build_strategy(config, numel)
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
-        writer.add_round(record)
-        monitor.observe_round(record, strategy.client_metrics)
-        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
-        save_checkpoint(writer.directory, Checkpoint(
-            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rounds=writer.document["rounds"], job_id=job_id, server_optimizer=strategy.server_optimizer.state_dict(),
-            adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
+        with deferred():  # an interrupt waits until the round's metrics and checkpoint are written
+            writer.add_round(record)
+            monitor.observe_round(record, strategy.client_metrics)
+            monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+            save_checkpoint(writer.directory, Checkpoint(
+                round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
+                rounds=writer.document["rounds"], job_id=job_id,
+                server_optimizer=strategy.server_optimizer.state_dict(),
+                adaptive_clipping=None if strategy.adaptive_clipping is None
+                else strategy.adaptive_clipping.state_dict()))
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
