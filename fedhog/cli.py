@@ -24,8 +24,8 @@ from .config import ConfigError, RunConfig, check_device, load_config, parse_ove
 from .deploy import DeployError, deploy_local, simulate_local
 from .export import FORMATS, ExportError, export_model
 from .progress import console, format_value, read_metrics_file, watch_metrics
-from .results import (claim_results_dir, default_results_dir, describe_run, mark_interrupted, read_run_document,
-                      record_launch)
+from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
+                      read_run_document, record_launch)
 
 QUICKSTART = "quickstart.toml"  # ships inside the package (configs/quickstart.toml in a checkout links to it)
 
@@ -320,6 +320,7 @@ def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "
     """Mark the run interrupted, say what was kept and how to continue; return ``code``."""
     interrupts.ignore()  # what follows is quick and must not be cut short
     mark_interrupted(directory)
+    clear_stop_request(directory)
     shown = escape(str(directory))
     if (read_run_document(directory) or {}).get("status") == "finished":
         console.print(f"[yellow]interrupted[/] after the run had finished: its results are in {shown}")

@@ -21,7 +21,24 @@ from .config import ConfigError, RunConfig, toml_value
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
 RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
-             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt")
+             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt", ".stop-requested")
+STOP_REQUEST = ".stop-requested"  # written by a launcher that is about to stop the run's processes
+
+
+def request_stop(directory: Path) -> None:
+    """Tell the ServerApp writing into ``directory`` to keep no further round: its clients are about to be stopped."""
+    if directory.is_dir():
+        (directory / STOP_REQUEST).touch()
+
+
+def stop_requested(directory: Path) -> bool:
+    """Whether the run's launcher has asked it to stop (see :func:`request_stop`)."""
+    return (directory / STOP_REQUEST).exists()
+
+
+def clear_stop_request(directory: Path) -> None:
+    """Forget a stop request (a new run or a resume starts)."""
+    (directory / STOP_REQUEST).unlink(missing_ok=True)
 
 
 def default_results_dir(base: Path | None = None) -> Path:

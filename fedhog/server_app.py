@@ -23,7 +23,7 @@ from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
-from .results import ResultsWriter, client_error_summary, default_results_dir
+from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
@@ -174,6 +174,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     strategy = build_strategy(config, numel)
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
+            raise KeyboardInterrupt("stopped by its launcher")
         with deferred():  # an interrupt waits until the round's metrics and checkpoint are written
             writer.add_round(record)
             monitor.observe_round(record, strategy.client_metrics)
@@ -232,6 +234,8 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
     from .flower_baseline import run_flower_dp
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        if stop_requested(writer.directory):
+            raise KeyboardInterrupt("stopped by its launcher")
         writer.add_round(record)
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)

@@ -200,3 +200,47 @@ def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one
         assert cli.main(["run", "--resume", str(results)]) == 0, capsys.readouterr().err
         _same_results(reference, results)
     assert fired_count >= 5 and len(seen_rounds) >= 3, f"too few interrupts landed: {fired_count}, {seen_rounds}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_simulation_engine_keeps_only_the_runs_own_rounds(tmp_path, capsys, one_thread):
+    """Flower's engine: the clients die before the ServerApp on Ctrl-C; the round they were in must not be kept
+    (it used to be recorded and checkpointed as 'every sampled client failed', and the resume diverged)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    reference = tmp_path / "reference"
+    assert cli.main(["run", "--engine", "inprocess", *_sets(reference)]) == 0
+    broken = tmp_path / "broken"
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
+        env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "OMP_NUM_THREADS": "1",
+               "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", ray)}
+        command = [sys.executable, "-m", "fedhog.cli", "run", "--engine", "simulation"]
+        victim = subprocess.Popen([*command, *_sets(broken)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:  # interrupt once a round is checkpointed
+            try:
+                if load_checkpoint(broken).round >= 1:
+                    break
+            except CheckpointError:
+                pass
+            assert victim.poll() is None, victim.communicate()[0]
+            time.sleep(0.1)
+        victim.send_signal(signal.SIGINT)
+        output = victim.communicate(timeout=120)[0]
+        kept = _check_interrupted(broken, victim.returncode, output, signal.SIGINT)
+        assert 1 <= kept < 6
+        document = json.loads((broken / "metrics.json").read_text())
+        assert all(not r["rejections"] for r in document["rounds"]), document["rounds"]
+        assert not (broken / ".stop-requested").exists()
+        resumed = subprocess.run([*command, "--resume", str(broken)], env=env, capture_output=True, text=True,
+                                 timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a = json.loads((reference / "metrics.json").read_text())
+    b = json.loads((broken / "metrics.json").read_text())
+    assert b["resumed_after_round"] == kept
+    assert [r["clients_accepted"] for r in b["rounds"]] == [r["clients_accepted"] for r in a["rounds"]]
+    assert [r["epsilon"] for r in b["rounds"]] == pytest.approx([r["epsilon"] for r in a["rounds"]], rel=1e-12)
+    assert [r["accuracy"] for r in b["rounds"]] == pytest.approx([r["accuracy"] for r in a["rounds"]], abs=1e-9)
