@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
 NON_FINITE_TERM = "non-finite third-order term"
+MIN_ACCEPTED = 1  # a round with fewer accepted contributions releases nothing (see SecureAggregator._withhold)
+MAX_WITHHELD_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row that released nothing
 CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
 
 
@@ -95,7 +97,7 @@ class RoundRecord:
     sample_level_epsilon_max: float = math.nan  # client-dp = dpsgd: largest per-client record-level ε
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
-    failure: str = ""  # why the round released nothing (secure aggregation could not unmask the sum)
+    failure: str = ""  # why the round released nothing (no accepted contribution, or an unmasking that failed)
 
 
 @runtime_checkable
@@ -323,6 +325,8 @@ class SecureAggregator(Strategy):
                 contributions.append((result.slot, verdict, result.metrics))
         contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
+        if record.clients_sampled and len(contributions) < MIN_ACCEPTED and self.mechanism.kind != "none":
+            return self._withhold(server_round)
 
         keys = list(self._global.keys())
         flat_global = _flatten(self._global, keys)
@@ -365,6 +369,41 @@ class SecureAggregator(Strategy):
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
+
+    def _withhold(self, server_round: int) -> tuple[ArrayRecord, MetricRecord]:
+        """Release nothing for a round in which clients were sampled and none of their replies was accepted.
+
+        The model, the server optimizer's state and adaptive clipping's C stay
+        as they were, and no noise is drawn: a round of rejected replies no
+        longer moves the model by pure noise. (A Poisson round that samples
+        nobody is not withheld: it releases the noise alone, a release the
+        accountant's analysis of Poisson sampling includes, and one that
+        depends on the sampler's coins only.)
+
+        Privacy. Whether a round is withheld depends on the replies, hence on
+        the clients' data, so this is not post-processing of the release it
+        replaces. The accountant therefore still composes the round's event:
+        ε grows as if the round had released, and never depends on which
+        rounds were withheld. What no Gaussian event covers is the bit a
+        withheld round discloses ("no sampled reply was accepted"): in a
+        federation whose other clients are all rejected, that bit tells
+        whether one well-behaved client was sampled, with probability up to q
+        per round, beyond any ε. Such a federation is broken: the ServerApp
+        stops a run after :data:`MAX_WITHHELD_IN_A_ROW` withheld rounds in a
+        row (and at once when every sampled client raised), and a run with
+        withheld rounds says so in ``metrics.json`` (``failure``).
+        """
+        record = self.current
+        self._round_randomness = None  # nothing is drawn from this round's streams
+        self.accountant.compose_round()
+        record.epsilon = self.accountant.epsilon()
+        rejected = ", ".join(f"{kind} ×{count}" for kind, count in sorted(record.rejections.items()))
+        record.failure = (f"no accepted contribution ({record.clients_sampled} sampled, "
+                          + (f"rejected: {rejected}" if rejected else "no reply arrived") + ")")
+        log(WARNING, "round %d released nothing: %s; ε %.4g (the round is accounted all the same)", server_round,
+            record.failure, record.epsilon)
+        return self._global, MetricRecord({"epsilon": record.epsilon, "clients-accepted": 0,
+                                           "clients-rejected": record.clients_rejected})
 
     def secure_round(self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                      timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
