@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("fedhog")  # the installed package's metadata (pyproject.toml's version)
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "unknown"
 
 if TYPE_CHECKING:
     from .api import RunResult

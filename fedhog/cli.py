@@ -1,5 +1,5 @@
 """The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``,
-``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``."""
+``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``, ``fedhog keys``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import interrupts
+from . import __version__, interrupts
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local, simulate_local
@@ -27,6 +27,14 @@ from .progress import console, format_value, read_metrics_file, watch_metrics
 from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
                       read_run_document, record_launch)
 
+DESCRIPTION = "fedhog: federated learning with client-level differential privacy, on Flower and PyTorch."
+EPILOG = """examples:
+  fedhog run                                  the quickstart
+  fedhog run my.toml --set noise-multiplier=1.2
+  fedhog run --resume results/<run>           continue a stopped run
+  fedhog keys [WORD]                          every config key, its default and meaning
+  fedhog export results/<run>                 the final model, for serving
+  fedhog <command> --help                     a command's options"""
 QUICKSTART = "quickstart.toml"  # ships inside the package (configs/quickstart.toml in a checkout links to it)
 
 
@@ -35,8 +43,8 @@ class Engine:
     """One way of running the ServerApp and its clients on this machine (``fedhog run --engine NAME``).
 
     ``run(config, client_cpus)`` trains to the end and raises on failure. With
-    ``in_process`` the CLI runs it in a thread and shows the progress itself;
-    otherwise ``run`` shows it.
+    ``in_process`` the CLI runs it in the main thread and shows the progress
+    from a display thread; otherwise ``run`` shows it.
     """
 
     help: str
@@ -85,7 +93,9 @@ class Refusal(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fedhog`` and its subcommands."""
-    parser = argparse.ArgumentParser(prog="fedhog", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedhog", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"fedhog {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one federated training and report accuracy and ε")
     _add_config_arguments(run)
@@ -114,12 +124,37 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--list", dest="list_only", action="store_true",
                        help="list the cells and which are finished; run nothing")
     sweep.add_argument("--threads", type=int, default=1, help="PyTorch threads while cells run (default: 1)")
+    keys = commands.add_parser("keys", help="list every run-config key with its default and meaning")
+    keys.add_argument("word", nargs="?", help="only the keys whose name or meaning contains this word")
     return parser
+
+
+def keys_command(word: str | None = None) -> int:
+    """Print every run-config key (or those that mention ``word``) with its default and meaning."""
+    from .keys import MEANINGS
+
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for column in ("key", "default", "meaning"):
+        table.add_column(column, overflow="fold")
+    shown = 0
+    for key, default in RunConfig().to_mapping().items():
+        meaning = MEANINGS[key]
+        if word and word.lower() not in f"{key} {meaning}".lower():
+            continue
+        table.add_row(key, escape(toml_value(default)), escape(meaning))
+        shown += 1
+    if not shown:
+        console.print(f"no config key mentions {word!r}")
+        return 1
+    Console().print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        return keys_command(args.word)
     if args.command == "sweep":
         from .sweep.runner import sweep_command  # matplotlib and the sweep machinery only for sweeps
 

@@ -276,3 +276,40 @@ def test_client_errors_are_quoted_in_one_line(reason, summary):
     from fedhog.results import client_error_summary
 
     assert client_error_summary(reason) == summary
+
+
+# --- what the command says about itself ---------------------------------------------------
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    import fedhog
+
+    assert fedhog.__version__ == version("fedhog") != "unknown"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"fedhog {fedhog.__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["deploy-local"], ["export"], ["sweep"], ["keys"]])
+def test_help_text_has_no_markup(capsys, command):
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    text = capsys.readouterr().out
+    assert "usage: fedhog" in text and "``" not in text and ":func:" not in text
+
+
+def test_keys_lists_every_config_key_with_its_default_and_meaning(capsys):
+    from fedhog.keys import MEANINGS
+
+    defaults = RunConfig().to_mapping()
+    assert set(MEANINGS) == set(defaults)
+    assert all(MEANINGS[key].strip() for key in defaults)
+    assert cli.main(["keys"]) == 0
+    out = capsys.readouterr().out
+    for key in defaults:
+        assert key in out
+    assert cli.main(["keys", "clipping"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0] for line in lines[1:] if line and not line.startswith(" ")}
+    assert "clipping-norm" in rows and "adaptive-clipping" in rows and "rounds" not in rows
+    assert cli.main(["keys", "no-such-word"]) == 1
