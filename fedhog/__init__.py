@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from .api import RunResult
 
 
-def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, **overrides: Any) -> RunResult:
+def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, verbose: bool = False,
+        **overrides: Any) -> RunResult:
     """Run one federated training and return its results folder and metrics (see :func:`fedhog.api.run`)."""
     from .api import run as run_api  # torch and Flower load when a run starts, not on `import fedhog`
 
-    return run_api(config, engine=engine, overwrite=overwrite, **overrides)
+    return run_api(config, engine=engine, overwrite=overwrite, verbose=verbose, **overrides)

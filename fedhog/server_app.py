@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -32,6 +33,7 @@ from .strategy import CLIENT_ERROR, MAX_WITHHELD_IN_A_ROW, RoundRecord, SecureAg
 from .training import evaluate_metrics
 
 app = ServerApp()
+_stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 
 
@@ -103,6 +105,7 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     monitor = ServerMetrics()
 
     if config.target_epsilon > 0 and config.noise != "distributed":  # distributed: σ_l is calibrated with the lattice
+        _stage("calibrating σ to ε = %g over %d rounds…", config.target_epsilon, config.rounds)
         config = config.calibrated()
         log(INFO, "noise-multiplier σ=%.6g calibrated to target-epsilon=%g (δ=%g, %d rounds)",
             config.noise_multiplier, config.target_epsilon, config.delta, config.rounds)
@@ -159,6 +162,7 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
                    for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
                 "epsilon": epsilon,
                 "delta": config.delta,
+                "noise_multiplier": writer.document.get("privacy", {}).get("noise_multiplier"),
             },
         )
     log(INFO, "fedhog finished: accuracy %.4f, ε %s at δ=%g, results in %s",
@@ -202,6 +206,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         sampler_tail_delta=strategy.sampler_tail_delta(numel, config.rounds),
         **_secure_aggregation_record(config, strategy.secure_aggregation)))
     discovery_started = time.perf_counter()
+    _stage("discovering %d clients…", config.population)
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
     first_round = 1
@@ -214,6 +219,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
             strategy.server_optimizer.load_state_dict(checkpoint.server_optimizer)
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
+    _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
                             on_round=on_round, first_round=first_round)

@@ -313,3 +313,27 @@ def test_keys_lists_every_config_key_with_its_default_and_meaning(capsys):
     rows = {line.split()[0] for line in lines[1:] if line and not line.startswith(" ")}
     assert "clipping-norm" in rows and "adaptive-clipping" in rows and "rounds" not in rows
     assert cli.main(["keys", "no-such-word"]) == 1
+
+
+def test_the_display_shows_what_the_run_does_before_its_first_round():
+    """Data generation and partitioning say so (the first ~30 s of a quickstart used to show only 'starting…')."""
+    import logging
+
+    from fedhog import data, progress
+
+    spec = RunConfig().with_overrides({"dataset": "digits", "partitioner": "iid", "population": 3, "sampling-rate": 1.0,
+                                       "seed": 12345}).data_spec
+    seen: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    with progress._stages() as stage:  # pylint: disable=protected-access  # what watch_metrics listens to
+        logging.getLogger(progress.STAGE_LOGGER).addHandler(recorder := Record())
+        try:
+            data.population_training_data(spec)
+        finally:
+            logging.getLogger(progress.STAGE_LOGGER).removeHandler(recorder)
+    assert seen[0].startswith("preparing the data: digits for 3 clients")
+    assert seen[-1] == stage.text and stage.text.startswith("partitioning") and "among 3 clients (iid)" in stage.text
