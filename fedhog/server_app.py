@@ -245,9 +245,9 @@ def _stop_if_nothing_released(rounds: list[dict], reasons: dict[str, str], delta
     first = ", ".join(client_error_summary(reason, 200) for reason in reasons.values())
     raise RuntimeError(f"rounds {last['round'] - len(withheld) + 1}–{last['round']} released nothing: "
                        f"{last['failure']}" + (f"; first reasons: {first}" if first else "")
-                       + f"; ε = {last['epsilon']:.4g} (δ = {delta:g}) spent so far. Fix the clients (a standard "
-                       "Flower ClientApp must reply with its weights under 'arrays' and 'num-examples' in a "
-                       "MetricRecord) and continue with --resume")
+                       + f"; ε = {last['epsilon']:.4g} (δ = {delta:g}) spent so far. Fix the clients (their "
+                       "replies are described in the README, 'Bringing an existing Flower app') and continue with "
+                       "--resume")
 
 
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
