@@ -427,7 +427,8 @@ class SecureAggregator(Strategy):
                 self._count_rejection(server_round, sender, BadReply(reason))
             self._round_randomness = None
             record.failure = f"secure aggregation failed: {error}"
-            if str(error).startswith("setup:") and all(r.startswith(f"{CLIENT_ERROR}:") for r in error.dropped.values()):
+            every_client_raised = all(r.startswith(f"{CLIENT_ERROR}:") for r in error.dropped.values())
+            if str(error).startswith("setup:") and every_client_raised:
                 record.failure += f" ({SECURE_NEEDS_FEDHOG_CLIENTS})"
             record.epsilon = self.accountant.epsilon()
             log(WARNING, "round %d released nothing: %s", server_round, record.failure)
@@ -667,8 +668,8 @@ WEIGHTS_UNDER_SECURE_AGGREGATION = (
 
 SECURE_NEEDS_FEDHOG_CLIENTS = (
     "every client failed at the protocol's first stage: under secure aggregation each client must run fedhog's "
-    "ClientApp, which clips, quantises and masks its own update; a standard Flower ClientApp, which replies with its "
-    "weights, cannot take part")
+    "ClientApp, which clips, quantises and masks its own update (a standard Flower ClientApp, which replies with its "
+    "weights, cannot take part)")
 
 
 class _WeightsWatch:
