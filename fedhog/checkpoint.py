@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .interrupts import deferred
 from .results import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
@@ -77,18 +78,19 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
 
 def _keep_previous(path: Path, previous: Path) -> None:
     """Make ``previous`` a copy of ``path`` (a hard link where the file system allows), atomically."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{previous.name}.")
-    os.close(handle)
-    try:
-        os.unlink(temporary)
+    with deferred():  # an interrupt waits: no temporary file is left behind
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{previous.name}.")
+        os.close(handle)
         try:
-            os.link(path, temporary)
-        except OSError:  # no hard links here: copy the bytes
-            shutil.copyfile(path, temporary)
-        os.replace(temporary, previous)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+            os.unlink(temporary)
+            try:
+                os.link(path, temporary)
+            except OSError:  # no hard links here: copy the bytes
+                shutil.copyfile(path, temporary)
+            os.replace(temporary, previous)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
 
 def load_checkpoint(directory: Path) -> Checkpoint:

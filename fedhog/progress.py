@@ -48,8 +48,9 @@ def _stages() -> Iterator[_LastStage]:
 def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
     """Show round, accuracy (AUROC, AUPRC when measured) and ε from ``metrics.json`` while ``running()``.
 
-    Before the first round it shows what a run in this process says it is doing
-    (generating or partitioning data, discovering clients: :data:`STAGE_LOGGER`).
+    Before the first round it shows what the run says it is doing (generating or
+    partitioning data, discovering clients: :data:`STAGE_LOGGER` in this process,
+    ``stage`` in ``metrics.json`` from a ServerApp in another).
     """
     columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn())
@@ -61,8 +62,8 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
             if document and document.get("rounds"):
                 last = document["rounds"][-1]
                 progress.update(task, completed=last.get("round", 0), status=round_status(last))
-            elif stage.text:
-                progress.update(task, status=escape(stage.text))
+            elif stage.text or (document or {}).get("stage"):  # this process's, or the ServerApp's (metrics.json)
+                progress.update(task, status=escape(stage.text or document["stage"]))
             if not alive:
                 break
             time.sleep(0.5)

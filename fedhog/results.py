@@ -18,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from .config import ConfigError, RunConfig, toml_value
+from .interrupts import deferred
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
 RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
@@ -155,17 +156,21 @@ def client_error_summary(reason: str, limit: int = 300) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    Ctrl-C or SIGTERM (see :mod:`fedhog.interrupts`) waits until the write is done, so no temporary file is left.
+    """
+    with deferred():
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
 
 def config_to_toml(config: RunConfig) -> str:
@@ -219,7 +224,8 @@ class ResultsWriter:
         return self.directory / "metrics.json"
 
     def add_round(self, record: Any) -> None:
-        """Append one round (a dataclass) and rewrite ``metrics.json``."""
+        """Append one round (a dataclass) and rewrite ``metrics.json`` (without the start-up ``stage``)."""
+        self.document.pop("stage", None)
         self.document["rounds"].append(dataclasses.asdict(record))
         self._flush()
 

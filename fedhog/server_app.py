@@ -7,7 +7,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from logging import INFO
 from pathlib import Path
 
@@ -99,6 +100,35 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
     checkpoint = load_checkpoint(directory) if config.resume else None
     writer = ResultsWriter(directory, config.with_overrides({"resume": False}))
+    with _stages_into(writer):
+        return _train(grid, config, writer, checkpoint, started)
+
+
+@contextmanager
+def _stages_into(writer: ResultsWriter) -> Iterator[None]:
+    """Write what the run does before its first round (``fedhog.stage`` messages) into ``metrics.json``'s ``stage``.
+
+    The progress display of a launcher in another process (Simulation Engine, ``deploy-local``) shows it.
+    """
+    class ToMetrics(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not writer.document["rounds"]:
+                writer.update(stage=record.getMessage())
+
+    logger, handler = logging.getLogger("fedhog.stage"), ToMetrics(logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Checkpoint | None,
+           started: float) -> Path:
+    """:func:`run_server` once its results folder is open."""
     if checkpoint is not None:
         writer.update(rounds=checkpoint.rounds, resumed_after_round=checkpoint.round)
     log(INFO, "fedhog results folder: %s", writer.directory)

@@ -337,3 +337,19 @@ def test_the_display_shows_what_the_run_does_before_its_first_round():
             logging.getLogger(progress.STAGE_LOGGER).removeHandler(recorder)
     assert seen[0].startswith("preparing the data: digits for 3 clients")
     assert seen[-1] == stage.text and stage.text.startswith("partitioning") and "among 3 clients (iid)" in stage.text
+
+
+def test_a_serverapp_in_another_process_reports_its_start_up_through_metrics_json(tmp_path):
+    """The Simulation Engine's display reads metrics.json: the ServerApp writes its stage there until round 1."""
+    import logging
+
+    from fedhog.server_app import _stages_into  # pylint: disable=protected-access
+    from fedhog.strategy import RoundRecord
+
+    writer = ResultsWriter(tmp_path, RunConfig())
+    with _stages_into(writer):
+        logging.getLogger("fedhog.stage").info("partitioning %d examples among %d clients (iid)…", 100, 4)
+        assert json.loads((tmp_path / "metrics.json").read_text())["stage"].startswith("partitioning 100 examples")
+        writer.add_round(RoundRecord(round=1, clients_sampled=2))
+        logging.getLogger("fedhog.stage").info("late")
+    assert "stage" not in json.loads((tmp_path / "metrics.json").read_text())
