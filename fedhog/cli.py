@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def keys_command(word: str | None = None) -> int:
     """Print every run-config key (or those that mention ``word``) with its default and meaning."""
-    from .keys import MEANINGS
+    from .config_keys import MEANINGS
 
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     for column in ("key", "default", "meaning"):

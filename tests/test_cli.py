@@ -299,7 +299,7 @@ def test_help_text_has_no_markup(capsys, command):
 
 
 def test_keys_lists_every_config_key_with_its_default_and_meaning(capsys):
-    from fedhog.keys import MEANINGS
+    from fedhog.config_keys import MEANINGS
 
     defaults = RunConfig().to_mapping()
     assert set(MEANINGS) == set(defaults)
