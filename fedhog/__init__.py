@@ -5,14 +5,21 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("fedhog")  # the installed package's metadata (pyproject.toml's version)
+except PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "unknown"
 
 if TYPE_CHECKING:
     from .api import RunResult
 
 
-def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, **overrides: Any) -> RunResult:
+def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, verbose: bool = False,
+        **overrides: Any) -> RunResult:
     """Run one federated training and return its results folder and metrics (see :func:`fedhog.api.run`)."""
     from .api import run as run_api  # torch and Flower load when a run starts, not on `import fedhog`
 
-    return run_api(config, engine=engine, overwrite=overwrite, **overrides)
+    return run_api(config, engine=engine, overwrite=overwrite, verbose=verbose, **overrides)

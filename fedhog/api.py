@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 from .config import BINARY_METRICS, ConfigError, RunConfig, check_device, load_config
 from .data import dataset_info, tabular_source
 from .models import build_model, is_factory
-from .results import claim_results_dir, default_results_dir, read_run_document, record_launch
+from .results import claim_results_dir, default_results_dir, mark_interrupted, read_run_document, record_launch
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,14 @@ class RunResult:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """``final_<metric>`` and ``initial_<metric>`` of each of the run's ``metrics``, ``epsilon``, ``delta``, ..."""
+        """``final_<metric>`` and ``initial_<metric>`` of each of the run's ``metrics``, ``epsilon``, ``delta``,
+        ``noise_multiplier`` (σ, calibrated when ``target-epsilon`` was given), ..."""
         return self.document["summary"]
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ of the run: the configured one, or the one calibrated to ``target-epsilon``."""
+        return self.document["privacy"]["noise_multiplier"]
 
 
 class RunFailed(RuntimeError):
@@ -40,7 +48,7 @@ class RunFailed(RuntimeError):
 
 
 def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, engine: str = "vectorized",
-        overwrite: bool = False, **overrides: Any) -> RunResult:
+        overwrite: bool = False, verbose: bool = False, **overrides: Any) -> RunResult:
     """Run one federated training, as ``fedhog run`` does, and return its results.
 
     Parameters
@@ -52,6 +60,8 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
         or ``simulation`` (Flower's Simulation Engine, see ``fedhog run --engine``).
     overwrite : bool
         Replace a run already in ``results-dir`` instead of refusing.
+    verbose : bool
+        Show Flower's and fedhog's INFO log (a line a round, ...); by default only warnings.
     **overrides
         Config keys, snake_case (``noise_multiplier=0.8``) or kebab-case (``**{"noise-multiplier": 0.8}``).
 
@@ -83,8 +93,12 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
     resolved = resolved.with_overrides({"results-dir": str(directory)})
     record_launch(directory, {"command": "run", "engine": engine, "client_cpus": 1}, resolved)
     try:
-        ENGINES[engine].run(resolved, 1)
+        with _flower_log(logging.INFO if verbose else logging.WARNING):
+            ENGINES[engine].run(resolved, 1)
     except ConfigError:
+        raise
+    except KeyboardInterrupt:  # what finished stays: fedhog run --resume <directory> continues it
+        mark_interrupted(directory)
         raise
     except Exception as error:  # the ServerApp wrote the failure into metrics.json too
         raise RunFailed(f"{type(error).__name__}: {error} (what was done is in {directory})", directory) from error
@@ -93,6 +107,18 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
         raise RunFailed(f"the run did not finish: {document.get('error', 'no metrics.json')} "
                         f"(what was done is in {directory})", directory)
     return RunResult(directory, document)
+
+
+@contextmanager
+def _flower_log(level: int) -> Iterator[None]:
+    """Flower's logger (which fedhog's ServerApp logs through too) at ``level`` inside the block."""
+    logger = logging.getLogger("flwr")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def check_inputs(config: RunConfig) -> None:

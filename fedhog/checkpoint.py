@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .interrupts import deferred
 from .results import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
@@ -56,14 +59,38 @@ class Checkpoint:
 
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
-    """Write ``checkpoint.pt`` atomically; the one before it becomes ``checkpoint.prev.pt``."""
+    """Write ``checkpoint.pt`` atomically; the one before it is kept as ``checkpoint.prev.pt``.
+
+    ``checkpoint.pt`` is never moved away: the previous one is linked (or
+    copied) to ``checkpoint.prev.pt`` through a temporary name, then the new
+    one replaces ``checkpoint.pt`` in one ``os.replace``. Killed at any moment,
+    the folder holds a whole ``checkpoint.pt`` of the last round it finished
+    writing, or of the round before.
+    """
     buffer = io.BytesIO()
     torch.save(asdict(checkpoint), buffer)
     path = directory / CHECKPOINT
     if path.exists():
-        os.replace(path, directory / PREVIOUS)
+        _keep_previous(path, directory / PREVIOUS)
     atomic_write(path, buffer.getvalue())
     return path
+
+
+def _keep_previous(path: Path, previous: Path) -> None:
+    """Make ``previous`` a copy of ``path`` (a hard link where the file system allows), atomically."""
+    with deferred():  # an interrupt waits: no temporary file is left behind
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{previous.name}.")
+        os.close(handle)
+        try:
+            os.unlink(temporary)
+            try:
+                os.link(path, temporary)
+            except OSError:  # no hard links here: copy the bytes
+                shutil.copyfile(path, temporary)
+            os.replace(temporary, previous)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
 
 def load_checkpoint(directory: Path) -> Checkpoint:

@@ -1,5 +1,5 @@
 """The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``,
-``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``."""
+``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``, ``fedhog keys``."""
 
 from __future__ import annotations
 
@@ -18,12 +18,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import __version__, interrupts
+from .checkpoint import CheckpointError, load_checkpoint
 from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local, simulate_local
 from .export import FORMATS, ExportError, export_model
 from .progress import console, format_value, read_metrics_file, watch_metrics
-from .results import claim_results_dir, default_results_dir, describe_run, read_run_document, record_launch
+from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
+                      read_run_document, record_launch)
 
+DESCRIPTION = "fedhog: federated learning with client-level differential privacy, on Flower and PyTorch."
+EPILOG = """examples:
+  fedhog run                                  the quickstart
+  fedhog run my.toml --set noise-multiplier=1.2
+  fedhog run --resume results/<run>           continue a stopped run
+  fedhog keys [WORD]                          every config key, its default and meaning
+  fedhog export results/<run>                 the final model, for serving
+  fedhog <command> --help                     a command's options"""
 QUICKSTART = "quickstart.toml"  # ships inside the package (configs/quickstart.toml in a checkout links to it)
 
 
@@ -32,8 +43,8 @@ class Engine:
     """One way of running the ServerApp and its clients on this machine (``fedhog run --engine NAME``).
 
     ``run(config, client_cpus)`` trains to the end and raises on failure. With
-    ``in_process`` the CLI runs it in a thread and shows the progress itself;
-    otherwise ``run`` shows it.
+    ``in_process`` the CLI runs it in the main thread and shows the progress
+    from a display thread; otherwise ``run`` shows it.
     """
 
     help: str
@@ -82,7 +93,9 @@ class Refusal(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``fedhog`` and its subcommands."""
-    parser = argparse.ArgumentParser(prog="fedhog", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fedhog", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"fedhog {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one federated training and report accuracy and ε")
     _add_config_arguments(run)
@@ -111,29 +124,60 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--list", dest="list_only", action="store_true",
                        help="list the cells and which are finished; run nothing")
     sweep.add_argument("--threads", type=int, default=1, help="PyTorch threads while cells run (default: 1)")
+    keys = commands.add_parser("keys", help="list every run-config key with its default and meaning")
+    keys.add_argument("word", nargs="?", help="only the keys whose name or meaning contains this word")
     return parser
+
+
+def keys_command(word: str | None = None) -> int:
+    """Print every run-config key (or those that mention ``word``) with its default and meaning."""
+    from .config_keys import MEANINGS
+
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for column in ("key", "default", "meaning"):
+        table.add_column(column, overflow="fold")
+    shown = 0
+    for key, default in RunConfig().to_mapping().items():
+        meaning = MEANINGS[key]
+        if word and word.lower() not in f"{key} {meaning}".lower():
+            continue
+        table.add_row(key, escape(toml_value(default)), escape(meaning))
+        shown += 1
+    if not shown:
+        console.print(f"no config key mentions {word!r}")
+        return 1
+    Console().print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "keys":
+        return keys_command(args.word)
     if args.command == "sweep":
         from .sweep.runner import sweep_command  # matplotlib and the sweep machinery only for sweeps
 
         return sweep_command(args.config, args.output, args.list_only, args.threads)
     if args.command == "export":
         return export_command(args.results, args.fmt, args.out)
-    try:
-        config, launch = _prepare(args)
-    except ConfigError as error:
-        _error("config error", error)
-        return 2
-    except Refusal as refusal:
-        console.print(escape(str(refusal)))
-        return refusal.code
-    if args.command == "deploy-local":
-        return deploy_command(config, launch["nodes"], launch["tls"], args.workdir)
-    return run_command(config, launch["engine"], launch["client_cpus"])
+    with interrupts.handled():  # Ctrl-C and SIGTERM unwind the run in this thread, wherever it is
+        try:
+            config, launch = _prepare(args)
+        except ConfigError as error:
+            _error("config error", error)
+            return 2
+        except Refusal as refusal:
+            console.print(escape(str(refusal)))
+            return refusal.code
+        except (KeyboardInterrupt, SystemExit) as stop:
+            if (code := interrupts.interrupt_exit_code(stop)) is None:
+                raise
+            console.print("[yellow]interrupted[/] before the run started")
+            return code
+        if args.command == "deploy-local":
+            return deploy_command(config, launch["nodes"], launch["tls"], args.workdir)
+        return run_command(config, launch["engine"], launch["client_cpus"])
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,45 +307,72 @@ def _error(kind: str, error: object) -> None:
 def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
     """Run ``config`` on ``engine`` (a name of :data:`ENGINES`) with a live progress display; print the summary."""
     directory = Path(config.results_dir)
-    _print_privacy_banner(config)
-    console.print(f"results → [bold]{escape(str(directory))}[/]  (engine: {engine})")
     chosen = ENGINES[engine]
     error: object = None
     try:
+        _print_privacy_banner(config)
+        console.print(f"results → [bold]{escape(str(directory))}[/]  (engine: {engine})")
         if chosen.in_process:
-            error = _run_in_thread(chosen, config, client_cpus, directory)
+            error = _run_watched(chosen, config, client_cpus, directory)
         else:
-            chosen.run(config, client_cpus)
-    except KeyboardInterrupt:
-        return _interrupted(directory)
-    except (DeployError, ConfigError) as problem:
-        error = problem
-    return _report(directory, error is not None, error)
+            try:
+                chosen.run(config, client_cpus)
+            except (DeployError, ConfigError) as problem:
+                error = problem
+        return _report(directory, error is not None, error)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if (code := interrupts.interrupt_exit_code(stop)) is None:
+            raise
+        return _interrupted(directory, config, code)
 
 
-def _run_in_thread(engine: Engine, config: RunConfig, client_cpus: int, directory: Path) -> object:
-    """Run ``engine`` in a thread while the main thread shows the progress; the error it raised, or None."""
-    outcome: dict[str, object] = {}
+def _run_watched(engine: Engine, config: RunConfig, client_cpus: int, directory: Path) -> object:
+    """Run ``engine`` in this thread while a display thread shows the progress; the error it raised, or None.
 
-    def work() -> None:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
-        try:
-            engine.run(config, client_cpus)
-        except BaseException as error:  # reported by the main thread
-            outcome["error"] = f"{type(error).__name__}: {error}"
+    The engine runs in the main thread so that Ctrl-C and SIGTERM unwind it
+    (see :mod:`fedhog.interrupts`); interrupts propagate.
+    """
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_metrics, args=(directory, config.rounds, lambda: not stop.is_set()),
+                               daemon=True, name="fedhog-progress")
+    flower = logging.getLogger("flwr")
+    level = flower.level
+    flower.setLevel(logging.WARNING)
+    watcher.start()
+    try:
+        engine.run(config, client_cpus)
+    except Exception as error:  # pylint: disable=broad-except  # reported with the run's own record
+        return f"{type(error).__name__}: {error}"
+    finally:
+        with interrupts.deferred():  # a second Ctrl-C waits until the display has closed
+            stop.set()
+            watcher.join()
+            flower.setLevel(level)
+    return None
 
-    worker = threading.Thread(target=work, daemon=True)
-    worker.start()
-    watch_metrics(directory, config.rounds, worker.is_alive)
-    worker.join()
-    return outcome.get("error")
 
-
-def _interrupted(directory: Path, command: str = "run") -> int:
-    console.print(f"[yellow]interrupted:[/] what was done is in {escape(str(directory))}"
-                  + (f"; continue with: fedhog {command} --resume {escape(str(directory))}"
-                     if (directory / "checkpoint.pt").exists() else ""))
-    return 130
+def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "run") -> int:
+    """Mark the run interrupted, say what was kept and how to continue; return ``code``."""
+    interrupts.ignore()  # what follows is quick and must not be cut short
+    mark_interrupted(directory)
+    clear_stop_request(directory)
+    shown = escape(str(directory))
+    if (read_run_document(directory) or {}).get("status") == "finished":
+        console.print(f"[yellow]interrupted[/] after the run had finished: its results are in {shown}")
+        return code
+    try:
+        done = load_checkpoint(directory).round
+    except CheckpointError:
+        done = 0
+    if config.aggregator == "flower-dp" and (read_run_document(directory) or {}).get("rounds"):
+        console.print(f"[yellow]interrupted:[/] what was done is in {shown}; aggregator='flower-dp' writes no "
+                      "checkpoints, so the run cannot be resumed")
+        return code
+    kept = (f"round 1 is kept in {shown}" if done == 1 else f"rounds 1–{done} are kept in {shown}" if done
+            else f"no round had finished ({shown})")
+    console.print(f"[yellow]interrupted:[/] {kept}; continue with: fedhog {command} --resume {shown}"
+                  + ("" if done else " (it starts again from round 1)"))
+    return code
 
 
 def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Path | None = None) -> int:
@@ -310,15 +381,18 @@ def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Pa
     _print_privacy_banner(config)
     console.print(f"results → [bold]{escape(str(directory))}[/]  (local deployment: {nodes} SuperNodes)")
     try:
-        deploy_local(config, nodes, tls=tls, workdir=workdir)
-    except ConfigError as error:
-        _error("config error", error)
-        return 2
-    except KeyboardInterrupt:
-        return _interrupted(directory, "deploy-local")
-    except DeployError as error:
-        return _report(directory, True, error)
-    return _report(directory, False, None)
+        try:
+            deploy_local(config, nodes, tls=tls, workdir=workdir)
+        except ConfigError as error:
+            _error("config error", error)
+            return 2
+        except DeployError as error:
+            return _report(directory, True, error)
+        return _report(directory, False, None)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if (code := interrupts.interrupt_exit_code(stop)) is None:
+            raise
+        return _interrupted(directory, config, code, "deploy-local")
 
 
 def export_command(results: Path, fmt: str, out: Path | None = None) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -62,6 +63,7 @@ PARTITIONERS = ("iid", "dirichlet", "pathological")
 HF_PREFIX = "hf:"
 TABULAR_FORMATS = ("csv", "parquet", "npz")
 SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
+_stage = logging.getLogger("fedhog.stage").info  # what the progress display shows before the first round
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,7 @@ def population_training_data(spec: DataSpec) -> tuple[np.ndarray, np.ndarray, tu
 
 @functools.lru_cache(maxsize=8)
 def _federation(spec: DataSpec) -> _Federation:
+    _stage("preparing the data: %s for %d clients (%s)…", spec.dataset, spec.num_partitions, spec.partitioner)
     params = _synthetic_params(spec.dataset)
     if params is not None:
         return _synthetic_federation(spec, *params)
@@ -318,6 +321,7 @@ def _federation(spec: DataSpec) -> _Federation:
     order = np.random.default_rng([spec.seed, 1]).permutation(len(y)) if n_val + n_proxy else np.arange(len(y))
     held = [ArrayData(x[i], y[i]) for i in (order[:n_val], order[n_val:n_val + n_proxy])]
     x, y = x[order[n_val + n_proxy:]], y[order[n_val + n_proxy:]]
+    _stage("partitioning %d examples among %d clients (%s)…", len(y), spec.num_partitions, spec.partitioner)
     clients = tuple(
         _train_val_split(part, spec.validation_fraction) for part in _partition(y, spec)
     )
@@ -629,6 +633,7 @@ def load_mnist1d(num_samples: int = 20000, seed: int = 0) -> tuple[np.ndarray, n
     if path.exists():
         with np.load(path) as f:
             return f["x"], f["y"]
+    _stage("generating MNIST-1D: %d examples (once: cached in %s)…", num_samples, _cache_dir())
     from mnist1d.data import get_dataset_args, make_dataset  # slow import, only on a miss
 
     args = get_dataset_args()

@@ -50,7 +50,7 @@ from .app_bundle import write_app_bundle
 from .config import ConfigError, RunConfig
 from .models import is_factory
 from .progress import read_metrics_file, watch_metrics
-from .results import config_to_toml, default_results_dir
+from .results import clear_stop_request, config_to_toml, default_results_dir, request_stop
 
 HOST = "127.0.0.1"
 CONNECTION = "fedhog-local"
@@ -517,8 +517,10 @@ def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: P
         run_config = workdir / "run-config.toml"
         run_config.write_text(config_to_toml(config))
         certificates = generate_tls_files(workdir / "tls") if tls else None
+        clear_stop_request(directory)
         federation = stack.enter_context(LocalFederation(nodes, workdir, directory / "logs", certificates,
                                                          startup_timeout, simulation=simulation, env=env))
+        stack.push(_request_stop_on_error(directory))  # before the federation stops: see _request_stop_on_error
         run = federation.start_run(app_dir, run_config, directory / "flwr.log", federation_config)
         deadline = None if timeout is None else time.monotonic() + timeout
         problem: list[str] = []
@@ -541,6 +543,18 @@ def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: P
             raise DeployError(f"flwr run exited with {run.returncode} ({_last_error(directory / 'flwr.log')}); "
                               f"its log: {directory / 'flwr.log'}")
     return _check_finished(directory)
+
+
+def _request_stop_on_error(directory: Path):
+    """An exit callback: when the run ends by an exception (Ctrl-C, SIGTERM, an error), ask its ServerApp to keep no
+    further round before any process is stopped. Its clients die first, and a round of dead clients must not be
+    recorded (or checkpointed) as the run's own."""
+
+    def callback(kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None) -> None:
+        if kind is not None:
+            request_stop(directory)
+
+    return callback
 
 
 def _check_finished(directory: Path) -> Path:

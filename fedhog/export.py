@@ -69,7 +69,11 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
         raise ExportError(f"{weights_path} is not a readable state dict: {error}") from None
     if not isinstance(state, dict):
         raise ExportError(f"{weights_path} holds a {type(state).__name__}, not a state dict")
-    model = build_model(config.model, input_shape, num_classes)
+    try:
+        model = build_model(config.model, input_shape, num_classes)
+    except ValueError as error:  # a user's factory that cannot be imported from here, or that failed
+        raise ExportError(f"{config_path}: {error}; run fedhog export where the run was started, or put the "
+                          "model's module on PYTHONPATH") from None
     try:
         model.load_state_dict(state)
     except RuntimeError as error:

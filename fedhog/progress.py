@@ -3,22 +3,58 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True, soft_wrap=True)  # messages stay one line each: the terminal wraps them
+STAGE_LOGGER = "fedhog.stage"  # what a run in this process is doing before its first round (data, discovery)
+
+
+class _LastStage(logging.Handler):
+    """Keeps the last message of :data:`STAGE_LOGGER`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.text = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text = record.getMessage()
+
+
+@contextmanager
+def _stages() -> Iterator[_LastStage]:
+    """Listen to :data:`STAGE_LOGGER` (INFO, not passed on to other handlers) inside the block."""
+    logger, handler = logging.getLogger(STAGE_LOGGER), _LastStage()
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
-    """Show round, accuracy (AUROC, AUPRC when measured) and ε from ``metrics.json`` while ``running()``."""
+    """Show round, accuracy (AUROC, AUPRC when measured) and ε from ``metrics.json`` while ``running()``.
+
+    Before the first round it shows what the run says it is doing (generating or
+    partitioning data, discovering clients: :data:`STAGE_LOGGER` in this process,
+    ``stage`` in ``metrics.json`` from a ServerApp in another).
+    """
     columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
+    with _stages() as stage, Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("training", total=rounds, status="starting…")
         while True:
             alive = running()
@@ -26,6 +62,8 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
             if document and document.get("rounds"):
                 last = document["rounds"][-1]
                 progress.update(task, completed=last.get("round", 0), status=round_status(last))
+            elif stage.text or (document or {}).get("stage"):  # this process's, or the ServerApp's (metrics.json)
+                progress.update(task, status=escape(stage.text or document["stage"]))
             if not alive:
                 break
             time.sleep(0.5)

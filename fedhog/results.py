@@ -18,10 +18,28 @@ import torch
 from flwr.app import ArrayRecord
 
 from .config import ConfigError, RunConfig, toml_value
+from .interrupts import deferred
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
 RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
-             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt")
+             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt", ".stop-requested")
+STOP_REQUEST = ".stop-requested"  # written by a launcher that is about to stop the run's processes
+
+
+def request_stop(directory: Path) -> None:
+    """Tell the ServerApp writing into ``directory`` to keep no further round: its clients are about to be stopped."""
+    if directory.is_dir():
+        (directory / STOP_REQUEST).touch()
+
+
+def stop_requested(directory: Path) -> bool:
+    """Whether the run's launcher has asked it to stop (see :func:`request_stop`)."""
+    return (directory / STOP_REQUEST).exists()
+
+
+def clear_stop_request(directory: Path) -> None:
+    """Forget a stop request (a new run or a resume starts)."""
+    (directory / STOP_REQUEST).unlink(missing_ok=True)
 
 
 def default_results_dir(base: Path | None = None) -> Path:
@@ -113,6 +131,14 @@ def record_launch(directory: Path, launch: dict[str, Any], config: RunConfig | N
     atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
 
 
+def mark_interrupted(directory: Path) -> None:
+    """Set ``metrics.json``'s status to ``interrupted`` unless the run there finished or failed."""
+    document = read_run_document(directory)
+    if document is not None and document.get("status") in ("starting", "running"):
+        document["status"] = "interrupted"
+        atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
+
+
 def client_error_summary(reason: str, limit: int = 300) -> str:
     """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped, at most ``limit`` characters.
 
@@ -130,17 +156,21 @@ def client_error_summary(reason: str, limit: int = 300) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    Ctrl-C or SIGTERM (see :mod:`fedhog.interrupts`) waits until the write is done, so no temporary file is left.
+    """
+    with deferred():
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
 
 def config_to_toml(config: RunConfig) -> str:
@@ -206,7 +236,8 @@ class ResultsWriter:
         return self.directory / "metrics.json"
 
     def add_round(self, record: Any) -> None:
-        """Append one round (a dataclass) and rewrite ``metrics.json``."""
+        """Append one round (a dataclass) and rewrite ``metrics.json`` (without the start-up ``stage``)."""
+        self.document.pop("stage", None)
         self.document["rounds"].append(dataclasses.asdict(record))
         self._flush()
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from logging import INFO
 from pathlib import Path
 
@@ -17,19 +20,21 @@ from flwr.serverapp import Grid, ServerApp
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
+from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
-from .results import ResultsWriter, client_error_summary, default_results_dir
+from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
-from .strategy import CLIENT_ERROR, RoundRecord, SecureAggregator
+from .strategy import CLIENT_ERROR, MAX_WITHHELD_IN_A_ROW, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 
 app = ServerApp()
+_stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 
 
@@ -95,12 +100,42 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
     checkpoint = load_checkpoint(directory) if config.resume else None
     writer = ResultsWriter(directory, config.with_overrides({"resume": False}))
+    with _stages_into(writer):
+        return _train(grid, config, writer, checkpoint, started)
+
+
+@contextmanager
+def _stages_into(writer: ResultsWriter) -> Iterator[None]:
+    """Write what the run does before its first round (``fedhog.stage`` messages) into ``metrics.json``'s ``stage``.
+
+    The progress display of a launcher in another process (Simulation Engine, ``deploy-local``) shows it.
+    """
+    class ToMetrics(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not writer.document["rounds"]:
+                writer.update(stage=record.getMessage())
+
+    logger, handler = logging.getLogger("fedhog.stage"), ToMetrics(logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Checkpoint | None,
+           started: float) -> Path:
+    """:func:`run_server` once its results folder is open."""
     if checkpoint is not None:
         writer.update(rounds=checkpoint.rounds, resumed_after_round=checkpoint.round)
     log(INFO, "fedhog results folder: %s", writer.directory)
     monitor = ServerMetrics()
 
     if config.target_epsilon > 0 and config.noise != "distributed":  # distributed: σ_l is calibrated with the lattice
+        _stage("calibrating σ to ε = %g over %d rounds…", config.target_epsilon, config.rounds)
         config = config.calibrated()
         log(INFO, "noise-multiplier σ=%.6g calibrated to target-epsilon=%g (δ=%g, %d rounds)",
             config.noise_multiplier, config.target_epsilon, config.delta, config.rounds)
@@ -133,27 +168,33 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
             arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
                                                      checkpoint)
     except BaseException as error:
-        writer.update(status="failed", error=f"{type(error).__name__}: {error}",
-                      seconds=time.perf_counter() - started)
+        with deferred():
+            if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
+                writer.update(status="interrupted", seconds=time.perf_counter() - started)
+            else:
+                writer.update(status="failed", error=f"{type(error).__name__}: {error}",
+                              seconds=time.perf_counter() - started)
         raise
     finally:
         monitor.stop()
-    writer.save_model(arrays)
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}
-    writer.update(
-        status="finished",
-        seconds=time.perf_counter() - started,
-        summary={
-            "rounds_completed": len(rounds),
-            "rounds_planned": config.rounds,
-            "stopped_by_budget": len(rounds) < config.rounds,
-            **{f"{edge}_{name}": value for name in config.test_metrics
-               for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
-            "epsilon": epsilon,
-            "delta": config.delta,
-        },
-    )
+    with deferred():
+        writer.save_model(arrays)
+        writer.update(
+            status="finished",
+            seconds=time.perf_counter() - started,
+            summary={
+                "rounds_completed": len(rounds),
+                "rounds_planned": config.rounds,
+                "stopped_by_budget": len(rounds) < config.rounds,
+                **{f"{edge}_{name}": value for name in config.test_metrics
+                   for edge, value in (("final", final.get(name, baseline[name])), ("initial", baseline[name]))},
+                "epsilon": epsilon,
+                "delta": config.delta,
+                "noise_multiplier": writer.document.get("privacy", {}).get("noise_multiplier"),
+            },
+        )
     log(INFO, "fedhog finished: accuracy %.4f, ε %s at δ=%g, results in %s",
         final.get("accuracy", math.nan), "∞ (no DP guarantee)" if math.isinf(epsilon) else f"{epsilon:.4g}",
         config.delta, writer.directory)
@@ -168,14 +209,20 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     strategy = build_strategy(config, numel)
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
-        writer.add_round(record)
-        monitor.observe_round(record, strategy.client_metrics)
-        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
-        save_checkpoint(writer.directory, Checkpoint(
-            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rounds=writer.document["rounds"], job_id=job_id, server_optimizer=strategy.server_optimizer.state_dict(),
-            adaptive_clipping=None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
+        if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
+            raise KeyboardInterrupt("stopped by its launcher")
+        with deferred():  # an interrupt waits until the round's metrics and checkpoint are written
+            writer.add_round(record)
+            monitor.observe_round(record, strategy.client_metrics)
+            monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+            save_checkpoint(writer.directory, Checkpoint(
+                round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
+                rounds=writer.document["rounds"], job_id=job_id,
+                server_optimizer=strategy.server_optimizer.state_dict(),
+                adaptive_clipping=None if strategy.adaptive_clipping is None
+                else strategy.adaptive_clipping.state_dict()))
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
+        _stop_if_nothing_released(writer.document["rounds"], strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
@@ -189,6 +236,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         **_sampler_record(strategy, numel, config.rounds),
         **_secure_aggregation_record(config, strategy.secure_aggregation)))
     discovery_started = time.perf_counter()
+    _stage("discovering %d clients…", config.population)
     strategy.discover(grid, config.population, config.round_timeout, identify=strategy.randomness.seed_is_fixed)
     writer.update(discovery_seconds=time.perf_counter() - discovery_started)
     first_round = 1
@@ -201,6 +249,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
             strategy.server_optimizer.load_state_dict(checkpoint.server_optimizer)
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
+    _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
                             on_round=on_round, first_round=first_round)
@@ -217,12 +266,28 @@ def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], d
                            f"ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
 
 
+def _stop_if_nothing_released(rounds: list[dict], reasons: dict[str, str], delta: float) -> None:
+    """Stop a run whose last :data:`MAX_WITHHELD_IN_A_ROW` rounds released nothing, quoting why."""
+    withheld = list(itertools.takewhile(lambda r: r.get("failure"), reversed(rounds)))
+    if len(withheld) < MAX_WITHHELD_IN_A_ROW:
+        return
+    last = withheld[0]
+    first = ", ".join(client_error_summary(reason, 200) for reason in reasons.values())
+    raise RuntimeError(f"rounds {last['round'] - len(withheld) + 1}–{last['round']} released nothing: "
+                       f"{last['failure']}" + (f"; first reasons: {first}" if first else "")
+                       + f"; ε = {last['epsilon']:.4g} (δ = {delta:g}) spent so far. Fix the clients (their "
+                       "replies are described in the README, 'Bringing an existing Flower app') and continue with "
+                       "--resume")
+
+
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
                          initial: ArrayRecord, evaluate_fn: EvaluateFn) -> tuple[ArrayRecord, float]:
     """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
     from .flower_baseline import run_flower_dp
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        if stop_requested(writer.directory):
+            raise KeyboardInterrupt("stopped by its launcher")
         writer.add_round(record)
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
 NON_FINITE_TERM = "non-finite third-order term"
+MIN_ACCEPTED = 1  # a round with fewer accepted contributions releases nothing (see SecureAggregator._withhold)
+MAX_WITHHELD_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row that released nothing
 CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
 
 
@@ -95,7 +97,7 @@ class RoundRecord:
     sample_level_epsilon_max: float = math.nan  # client-dp = dpsgd: largest per-client record-level ε
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
-    failure: str = ""  # why the round released nothing (secure aggregation could not unmask the sum)
+    failure: str = ""  # why the round released nothing (no accepted contribution, or an unmasking that failed)
 
 
 @runtime_checkable
@@ -185,6 +187,7 @@ class SecureAggregator(Strategy):
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
+        self._global_flat_cache: tuple[ArrayRecord, torch.Tensor] | None = None
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
@@ -327,6 +330,8 @@ class SecureAggregator(Strategy):
                 contributions.append((result.slot, verdict, result.metrics))
         contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
+        if record.clients_sampled and len(contributions) < MIN_ACCEPTED and self.mechanism.kind != "none":
+            return self._withhold(server_round)
 
         keys = list(self._global.keys())
         flat_global = _flatten(self._global, keys)
@@ -370,6 +375,41 @@ class SecureAggregator(Strategy):
              "clients-rejected": record.clients_rejected}
         )
 
+    def _withhold(self, server_round: int) -> tuple[ArrayRecord, MetricRecord]:
+        """Release nothing for a round in which clients were sampled and none of their replies was accepted.
+
+        The model, the server optimizer's state and adaptive clipping's C stay
+        as they were, and no noise is drawn: a round of rejected replies no
+        longer moves the model by pure noise. (A Poisson round that samples
+        nobody is not withheld: it releases the noise alone, a release the
+        accountant's analysis of Poisson sampling includes, and one that
+        depends on the sampler's coins only.)
+
+        Privacy. Whether a round is withheld depends on the replies, hence on
+        the clients' data, so this is not post-processing of the release it
+        replaces. The accountant therefore still composes the round's event:
+        ε grows as if the round had released, and never depends on which
+        rounds were withheld. What no Gaussian event covers is the bit a
+        withheld round discloses ("no sampled reply was accepted"): in a
+        federation whose other clients are all rejected, that bit tells
+        whether one well-behaved client was sampled, with probability up to q
+        per round, beyond any ε. Such a federation is broken: the ServerApp
+        stops a run after :data:`MAX_WITHHELD_IN_A_ROW` withheld rounds in a
+        row (and at once when every sampled client raised), and a run with
+        withheld rounds says so in ``metrics.json`` (``failure``).
+        """
+        record = self.current
+        self._round_randomness = None  # nothing is drawn from this round's streams
+        self.accountant.compose_round()
+        record.epsilon = self.accountant.epsilon()
+        rejected = ", ".join(f"{kind} ×{count}" for kind, count in sorted(record.rejections.items()))
+        record.failure = (f"no accepted contribution ({record.clients_sampled} sampled, "
+                          + (f"rejected: {rejected}" if rejected else "no reply arrived") + ")")
+        log(WARNING, "round %d released nothing: %s; ε %.4g (the round is accounted all the same)", server_round,
+            record.failure, record.epsilon)
+        return self._global, MetricRecord({"epsilon": record.epsilon, "clients-accepted": 0,
+                                           "clients-rejected": record.clients_rejected})
+
     def secure_round(self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                      timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """A SecAgg+ round: sample, let the cohort mask its clipped contributions, unmask the sum, noise it.
@@ -382,17 +422,22 @@ class SecureAggregator(Strategy):
         config[protocol.SERVER_ROUND] = server_round
         record = self.current
         dimension = sum(int(np.prod(a.shape)) for a in arrays.values())
+        watch = _WeightsWatch(grid)
         try:
-            result = secure_sum(grid, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
+            result = secure_sum(watch, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
                                 self.secure_aggregation, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
-            for sender, reason in error.dropped.items():
+            for sender, reason in watch.reasons(error.dropped).items():
                 self._count_rejection(server_round, sender, BadReply(reason))
             self._round_randomness = None
             record.failure = f"secure aggregation failed: {error}"
+            every_client_raised = all(r.startswith(f"{CLIENT_ERROR}:") for r in error.dropped.values())
+            if str(error).startswith("setup:") and every_client_raised:
+                record.failure += f" ({SECURE_NEEDS_FEDHOG_CLIENTS})"
             record.epsilon = self.accountant.epsilon()
             log(WARNING, "round %d released nothing: %s", server_round, record.failure)
             return None, MetricRecord({"epsilon": record.epsilon, "clients-accepted": 0})
+        result.dropped = watch.reasons(result.dropped)
         return self.finish_secure_round(server_round, result)
 
     def finish_secure_round(self, server_round: int, result: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
@@ -458,17 +503,33 @@ class SecureAggregator(Strategy):
         return self._cohort[node]
 
     def _read_reply(self, reply: Message, seen: set[int]) -> ClientResult:
-        """The arrays and metrics of a reply from a sampled node, or :class:`BadReply`."""
+        """The arrays and metrics of a reply from a sampled node, or :class:`BadReply`.
+
+        A reply in Flower's convention (weights under ``arrays``, no ``update``;
+        see :mod:`fedhog.protocol`) is read as the update weights − global model.
+        """
         slot = self._check_sender(reply, seen)
         content = reply.content
-        if protocol.METRICS not in content.metric_records:
-            raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
-        metrics = dict(content[protocol.METRICS])
-        update = _read_like(content, protocol.UPDATE, self._global)
+        metrics = dict(_read_metrics(content))
+        weights = protocol.UPDATE not in content.array_records and protocol.WEIGHTS in content.array_records
+        if weights:  # clipped and noised as any update: the conversion is the reply's own, per client
+            update = _read_like(content, protocol.WEIGHTS, self._global) - self._global_flat()
+        else:
+            update = _read_like(content, protocol.UPDATE, self._global)
         term = None
         if self.mechanism.kind == "hog" and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
+            if weights and protocol.TERM not in content.array_records:
+                raise BadReply(f"malformed: mechanism='hog' needs the third-order term '{protocol.TERM}', which a "
+                               "standard Flower ClientApp does not send (use mechanism='gaussian', or fedhog's "
+                               "ClientApp)")
             term = _read_like(content, protocol.TERM, self._global)
         return ClientResult(slot, update, term, metrics)
+
+    def _global_flat(self) -> torch.Tensor:
+        """This round's global model, flat (computed once a round, for replies that send weights)."""
+        if self._global_flat_cache is None or self._global_flat_cache[0] is not self._global:
+            self._global_flat_cache = (self._global, _flatten(self._global, list(self._global.keys())))
+        return self._global_flat_cache[1]
 
     def read_contribution(self, reply: Message) -> Contribution:
         """Turn a reply into a flat contribution, or raise :class:`BadReply` (for a sampled node)."""
@@ -605,9 +666,59 @@ class SecureAggregator(Strategy):
         return result
 
 
+WEIGHTS_UNDER_SECURE_AGGREGATION = (
+    "weights refused: the reply carries the client's model under 'arrays' (a standard Flower ClientApp), which "
+    "the server must never see under secure aggregation; each client must clip, quantise and mask its own update: "
+    "run fedhog's ClientApp, or turn secure-aggregation off")
+
+
+SECURE_NEEDS_FEDHOG_CLIENTS = (
+    "every client failed at the protocol's first stage: under secure aggregation each client must run fedhog's "
+    "ClientApp, which clips, quantises and masks its own update (a standard Flower ClientApp, which replies with its "
+    "weights, cannot take part)")
+
+
+class _WeightsWatch:
+    """The Grid of a secure round, noting which nodes replied with their weights (a standard Flower ClientApp).
+
+    Such a reply would hand the server that client's own model, which secure
+    aggregation exists to hide; the protocol drops the node (its reply is not
+    a stage reply), and the strategy gives :data:`WEIGHTS_UNDER_SECURE_AGGREGATION`
+    as the reason.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self.senders: set[str] = set()  # "node <id>", as the protocol names dropped nodes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """The grid's replies, unchanged; the senders of weights noted."""
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self.senders |= {f"node {r.metadata.src_node_id}" for r in replies
+                         if not r.has_error() and protocol.WEIGHTS in r.content.array_records}
+        return replies
+
+    def reasons(self, dropped: Mapping[str, str]) -> dict[str, str]:
+        """``dropped`` with the reason of every node that sent weights replaced by the clear one."""
+        return {sender: WEIGHTS_UNDER_SECURE_AGGREGATION if sender in self.senders else reason
+                for sender, reason in dropped.items()}
+
+
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _read_metrics(content: RecordDict) -> MetricRecord:
+    """The reply's MetricRecord: ``metrics``, or the only one it holds, whatever its name."""
+    if protocol.METRICS in content.metric_records:
+        return content[protocol.METRICS]
+    if len(content.metric_records) == 1:
+        return next(iter(content.metric_records.values()))
+    raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
 
 
 def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:

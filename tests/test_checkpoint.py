@@ -67,11 +67,22 @@ def _settings(results) -> list[str]:
     return out
 
 
-@pytest.mark.slow
-def test_a_killed_run_resumes_to_the_same_result(tmp_path):
-    env = {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache")}
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the run that was never stopped."""
+    folder = tmp_path_factory.mktemp("reference")
+    env = {**os.environ, "FEDHOG_CACHE": str(folder / "cache"), "OMP_NUM_THREADS": "1"}
+    whole = folder / "whole"
     reference = _command(env, *_settings(whole), results=whole)
+    assert reference.wait(timeout=300) == 0, reference.communicate()[0]
+    return whole, env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["kill", "int", "term"])
+def test_a_killed_run_resumes_to_the_same_result(tmp_path, uninterrupted, signum):
+    whole, env = uninterrupted
+    broken = tmp_path / "broken"
 
     victim = _command(env, *_settings(broken), results=broken)
     deadline = time.time() + 300
@@ -83,14 +94,19 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path):
             pass
         assert victim.poll() is None, victim.communicate()[0]
         time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    victim.send_signal(signum)
+    output = victim.communicate(timeout=120)[0]
     killed_after = load_checkpoint(broken).round
     assert killed_after < 6, "the run finished before it could be killed"
+    if signum != signal.SIGKILL:  # a signal fedhog can handle: its exit code, the hint, the folder marked
+        assert victim.returncode == 128 + signum, output
+        assert "terminate called" not in output and "Traceback" not in output, output
+        assert f"continue with: fedhog run --resume {broken}" in " ".join(output.split()), output
+        assert json.loads((broken / "metrics.json").read_text())["status"] == "interrupted"
+        assert load_checkpoint(broken).round == killed_after  # no round lost by the interrupt itself
 
     resumed = _command(env, "--resume", str(broken), results=broken)
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
-    assert reference.wait(timeout=300) == 0, reference.communicate()[0]
 
     a = json.loads((whole / "metrics.json").read_text())
     b = json.loads((broken / "metrics.json").read_text())

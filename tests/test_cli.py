@@ -276,3 +276,80 @@ def test_client_errors_are_quoted_in_one_line(reason, summary):
     from fedhog.results import client_error_summary
 
     assert client_error_summary(reason) == summary
+
+
+# --- what the command says about itself ---------------------------------------------------
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    import fedhog
+
+    assert fedhog.__version__ == version("fedhog") != "unknown"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"fedhog {fedhog.__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["deploy-local"], ["export"], ["sweep"], ["keys"]])
+def test_help_text_has_no_markup(capsys, command):
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    text = capsys.readouterr().out
+    assert "usage: fedhog" in text and "``" not in text and ":func:" not in text
+
+
+def test_keys_lists_every_config_key_with_its_default_and_meaning(capsys):
+    from fedhog.config_keys import MEANINGS
+
+    defaults = RunConfig().to_mapping()
+    assert set(MEANINGS) == set(defaults)
+    assert all(MEANINGS[key].strip() for key in defaults)
+    assert cli.main(["keys"]) == 0
+    out = capsys.readouterr().out
+    for key in defaults:
+        assert key in out
+    assert cli.main(["keys", "clipping"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0] for line in lines[1:] if line and not line.startswith(" ")}
+    assert "clipping-norm" in rows and "adaptive-clipping" in rows and "rounds" not in rows
+    assert cli.main(["keys", "no-such-word"]) == 1
+
+
+def test_the_display_shows_what_the_run_does_before_its_first_round():
+    """Data generation and partitioning say so (the first ~30 s of a quickstart used to show only 'starting…')."""
+    import logging
+
+    from fedhog import data, progress
+
+    spec = RunConfig().with_overrides({"dataset": "digits", "partitioner": "iid", "population": 3, "sampling-rate": 1.0,
+                                       "seed": 12345}).data_spec
+    seen: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    with progress._stages() as stage:  # pylint: disable=protected-access  # what watch_metrics listens to
+        logging.getLogger(progress.STAGE_LOGGER).addHandler(recorder := Record())
+        try:
+            data.population_training_data(spec)
+        finally:
+            logging.getLogger(progress.STAGE_LOGGER).removeHandler(recorder)
+    assert seen[0].startswith("preparing the data: digits for 3 clients")
+    assert seen[-1] == stage.text and stage.text.startswith("partitioning") and "among 3 clients (iid)" in stage.text
+
+
+def test_a_serverapp_in_another_process_reports_its_start_up_through_metrics_json(tmp_path):
+    """The Simulation Engine's display reads metrics.json: the ServerApp writes its stage there until round 1."""
+    import logging
+
+    from fedhog.server_app import _stages_into  # pylint: disable=protected-access
+    from fedhog.strategy import RoundRecord
+
+    writer = ResultsWriter(tmp_path, RunConfig())
+    with _stages_into(writer):
+        logging.getLogger("fedhog.stage").info("partitioning %d examples among %d clients (iid)…", 100, 4)
+        assert json.loads((tmp_path / "metrics.json").read_text())["stage"].startswith("partitioning 100 examples")
+        writer.add_round(RoundRecord(round=1, clients_sampled=2))
+        logging.getLogger("fedhog.stage").info("late")
+    assert "stage" not in json.loads((tmp_path / "metrics.json").read_text())

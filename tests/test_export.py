@@ -143,3 +143,22 @@ def test_bad_config_and_format(tmp_path):
     (directory / "config.toml").write_text('model = "resnet"\n')
     with pytest.raises(ExportError, match="not a usable run config: model='resnet'"):
         export_model(directory, "torchscript")
+
+
+def test_a_model_module_that_cannot_be_imported_here_is_one_line(tmp_path, monkeypatch, capsys):
+    """A run with a user's model factory, exported from a folder where its module is not importable."""
+    module = tmp_path / "src" / "my_export_model.py"
+    module.parent.mkdir()
+    module.write_text("from torch import nn\n\ndef make(input_shape, num_classes):\n"
+                      "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+    monkeypatch.chdir(module.parent)
+    directory, _ = _hand_made(tmp_path / "run", "my_export_model:make")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_export_model", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in (str(module.parent), "")])
+    from fedhog import cli
+
+    assert cli.main(["export", str(directory)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert "model='my_export_model:make' cannot be imported" in lines[0] and "PYTHONPATH" in lines[0]
