@@ -30,7 +30,7 @@ from .results import ResultsWriter, client_error_summary, default_results_dir, s
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
-from .strategy import CLIENT_ERROR, MAX_WITHHELD_IN_A_ROW, RoundRecord, SecureAggregator
+from .strategy import CLIENT_ERROR, MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 
 app = ServerApp()
@@ -222,7 +222,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
                 adaptive_clipping=None if strategy.adaptive_clipping is None
                 else strategy.adaptive_clipping.state_dict()))
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
-        _stop_if_nothing_released(writer.document["rounds"], strategy.rejection_reasons, config.delta)
+        _stop_if_rounds_empty(writer.document["rounds"], strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
@@ -266,14 +266,14 @@ def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], d
                            f"ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
 
 
-def _stop_if_nothing_released(rounds: list[dict], reasons: dict[str, str], delta: float) -> None:
-    """Stop a run whose last :data:`MAX_WITHHELD_IN_A_ROW` rounds released nothing, quoting why."""
-    withheld = list(itertools.takewhile(lambda r: r.get("failure"), reversed(rounds)))
-    if len(withheld) < MAX_WITHHELD_IN_A_ROW:
+def _stop_if_rounds_empty(rounds: list[dict], reasons: dict[str, str], delta: float) -> None:
+    """Stop a run whose last :data:`MAX_EMPTY_IN_A_ROW` rounds had no accepted contribution, quoting why."""
+    empty = list(itertools.takewhile(lambda r: r.get("failure"), reversed(rounds)))
+    if len(empty) < MAX_EMPTY_IN_A_ROW:
         return
-    last = withheld[0]
+    last = empty[0]
     first = ", ".join(client_error_summary(reason, 200) for reason in reasons.values())
-    raise RuntimeError(f"rounds {last['round'] - len(withheld) + 1}–{last['round']} released nothing: "
+    raise RuntimeError(f"rounds {last['round'] - len(empty) + 1}–{last['round']} had no accepted contribution: "
                        f"{last['failure']}" + (f"; first reasons: {first}" if first else "")
                        + f"; ε = {last['epsilon']:.4g} (δ = {delta:g}) spent so far. Fix the clients (their "
                        "replies are described in the README, 'Bringing an existing Flower app') and continue with "

@@ -44,8 +44,7 @@ if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
 NON_FINITE_TERM = "non-finite third-order term"
-MIN_ACCEPTED = 1  # a round with fewer accepted contributions releases nothing (see SecureAggregator._withhold)
-MAX_WITHHELD_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row that released nothing
+MAX_EMPTY_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row without an accepted contribution
 CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
 
 
@@ -97,7 +96,7 @@ class RoundRecord:
     sample_level_epsilon_max: float = math.nan  # client-dp = dpsgd: largest per-client record-level ε
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
-    failure: str = ""  # why the round released nothing (no accepted contribution, or an unmasking that failed)
+    failure: str = ""  # what went wrong: no accepted contribution (noise alone released), or an unmasking failed
 
 
 @runtime_checkable
@@ -330,8 +329,8 @@ class SecureAggregator(Strategy):
                 contributions.append((result.slot, verdict, result.metrics))
         contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
-        if record.clients_sampled and len(contributions) < MIN_ACCEPTED and self.mechanism.kind != "none":
-            return self._withhold(server_round)
+        if record.clients_sampled and not contributions and self.mechanism.kind != "none":
+            self._note_empty_round(server_round)
 
         keys = list(self._global.keys())
         flat_global = _flatten(self._global, keys)
@@ -375,40 +374,29 @@ class SecureAggregator(Strategy):
              "clients-rejected": record.clients_rejected}
         )
 
-    def _withhold(self, server_round: int) -> tuple[ArrayRecord, MetricRecord]:
-        """Release nothing for a round in which clients were sampled and none of their replies was accepted.
+    def _note_empty_round(self, server_round: int) -> None:
+        """Mark a round in which clients were sampled and none of their replies was accepted (``failure``).
 
-        The model, the server optimizer's state and adaptive clipping's C stay
-        as they were, and no noise is drawn: a round of rejected replies no
-        longer moves the model by pure noise. (A Poisson round that samples
-        nobody is not withheld: it releases the noise alone, a release the
-        accountant's analysis of Poisson sampling includes, and one that
-        depends on the sampler's coins only.)
-
-        Privacy. Whether a round is withheld depends on the replies, hence on
-        the clients' data, so this is not post-processing of the release it
-        replaces. The accountant therefore still composes the round's event:
-        ε grows as if the round had released, and never depends on which
-        rounds were withheld. What no Gaussian event covers is the bit a
-        withheld round discloses ("no sampled reply was accepted"): in a
-        federation whose other clients are all rejected, that bit tells
-        whether one well-behaved client was sampled, with probability up to q
-        per round, beyond any ε. Such a federation is broken: the ServerApp
-        stops a run after :data:`MAX_WITHHELD_IN_A_ROW` withheld rounds in a
-        row (and at once when every sampled client raised), and a run with
-        withheld rounds says so in ``metrics.json`` (``failure``).
+        The round still releases the noise alone, and is accounted. Withholding
+        it instead would not be differentially private: whether any reply is
+        accepted depends on the replies, so in a federation whose other
+        clients are all rejected, a withheld round (the model exactly
+        unchanged) against a released one (the model moved by noise) would
+        tell with certainty whether one well-behaved client was sampled — a
+        privacy loss no ε covers, with probability q a round. The noise-only
+        release is the mechanism's ordinary output on a sum of nothing, so the
+        accountant's bound holds. A federation in this state is broken: the
+        ServerApp stops the run after :data:`MAX_EMPTY_IN_A_ROW` such rounds in
+        a row, quoting the rejection reasons (that stop, like the one when
+        every sampled client raised, is an operational decision the accountant
+        does not cover: it discloses that the federation failed).
         """
         record = self.current
-        self._round_randomness = None  # nothing is drawn from this round's streams
-        self.accountant.compose_round()
-        record.epsilon = self.accountant.epsilon()
         rejected = ", ".join(f"{kind} ×{count}" for kind, count in sorted(record.rejections.items()))
         record.failure = (f"no accepted contribution ({record.clients_sampled} sampled, "
-                          + (f"rejected: {rejected}" if rejected else "no reply arrived") + ")")
-        log(WARNING, "round %d released nothing: %s; ε %.4g (the round is accounted all the same)", server_round,
-            record.failure, record.epsilon)
-        return self._global, MetricRecord({"epsilon": record.epsilon, "clients-accepted": 0,
-                                           "clients-rejected": record.clients_rejected})
+                          + (f"rejected: {rejected}" if rejected else "no reply arrived")
+                          + "): the noise alone was released")
+        log(WARNING, "round %d: %s", server_round, record.failure)
 
     def secure_round(self, grid: Grid, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                      timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
