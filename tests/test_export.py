@@ -143,3 +143,17 @@ def test_bad_config_and_format(tmp_path):
     (directory / "config.toml").write_text('model = "resnet"\n')
     with pytest.raises(ExportError, match="not a usable run config: model='resnet'"):
         export_model(directory, "torchscript")
+
+
+def test_a_folder_from_before_the_activation_key_rebuilds_its_tanh_model(tmp_path):
+    """config.toml without `activation` was written when every built-in model used tanh: exporting it must not
+    silently load tanh-trained weights into the new default activation."""
+    folder, network = _hand_made(tmp_path / "legacy", "mlp")
+    text = (folder / "config.toml").read_text()
+    (folder / "config.toml").write_text("\n".join(line for line in text.splitlines()
+                                                  if not line.startswith("activation")) + "\n")
+    rebuilt = load_trained_model(folder)
+    assert rebuilt.config.activation == "tanh"
+    assert any(isinstance(m, torch.nn.Tanh) for m in rebuilt.model.modules())
+    current, _ = _hand_made(tmp_path / "current", "mlp")
+    assert load_trained_model(current).config.activation == RunConfig().activation
