@@ -6,7 +6,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
+from .diagnostics import saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
@@ -31,6 +32,8 @@ from .training import evaluate_metrics
 
 app = ServerApp()
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
+Diagnose = Callable[[RoundRecord, ArrayRecord], None]
+DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is counted on
 
 
 @app.main()
@@ -120,6 +123,26 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
         return MetricRecord(metrics)
 
     initial = ArrayRecord(model.state_dict())
+    initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    probe = torch.as_tensor(test_set.x[:DIAGNOSTIC_EXAMPLES])
+    linear_momentum = ({"sgd": 0.0, "momentum": config.server_momentum}.get(config.server_optimizer)
+                       if config.aggregator == "fedhog" else None)
+    warned: set[str] = set()
+
+    def diagnose(record: RoundRecord, arrays: ArrayRecord) -> None:
+        """Weight growth, the noise's random walk and saturation of the released model (post-processing)."""
+        state = arrays.to_torch_state_dict()
+        model.load_state_dict(state)
+        record.layers = {**weight_diagnostics(initial_state, state, record.round, record.noise_std,
+                                              config.server_learning_rate, linear_momentum),
+                         **saturated_fractions(model, probe)}
+        record.warnings = warnings_for(record.layers)
+        for warning in record.warnings:
+            layer = warning.split(":")[0]
+            if layer not in warned:  # once per layer and kind in the log; every round in metrics.json
+                warned.add(layer)
+                log(WARNING, "round %d: %s", record.round, warning)
+
     try:
         if config.metrics_port >= 0:
             port = monitor.start_http_server(config.metrics_port)  # 127.0.0.1 only
@@ -128,10 +151,10 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
         if config.aggregator == "flower-dp":
-            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn)
+            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn, diagnose)
         else:
             arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
-                                                     checkpoint)
+                                                     checkpoint, diagnose)
     except BaseException as error:
         writer.update(status="failed", error=f"{type(error).__name__}: {error}",
                       seconds=time.perf_counter() - started)
@@ -162,12 +185,13 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
 
 def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
                            initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                           checkpoint: Checkpoint | None) -> tuple[ArrayRecord, float]:
+                           checkpoint: Checkpoint | None, diagnose: Diagnose) -> tuple[ArrayRecord, float]:
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        diagnose(record, arrays)
         writer.add_round(record)
         monitor.observe_round(record, strategy.client_metrics)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
@@ -218,11 +242,13 @@ def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], d
 
 
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                         initial: ArrayRecord, evaluate_fn: EvaluateFn) -> tuple[ArrayRecord, float]:
+                         initial: ArrayRecord, evaluate_fn: EvaluateFn,
+                         diagnose: Diagnose) -> tuple[ArrayRecord, float]:
     """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
     from .flower_baseline import run_flower_dp
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
+        diagnose(record, arrays)
         writer.add_round(record)
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)

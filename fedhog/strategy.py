@@ -96,6 +96,8 @@ class RoundRecord:
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
     failure: str = ""  # why the round released nothing (secure aggregation could not unmask the sum)
+    layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
+    warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
 
 
 @runtime_checkable

@@ -196,6 +196,12 @@ def test_the_smoke_sweep_writes_the_csv_summary_and_plots(smoke):
     assert {r["clients_sampled"] for r in rows if r["variant"] == "flower-dp" and r["round"] != "0"} == {"5"}
     summary = (sweep.output / "summary.md").read_text()
     assert "14 of 14 cells finished" in summary
+    # the diagnostics of the released model: every round's worst layer; the noise walk only where there is noise
+    trained = [r for r in rows if r["round"] != "0"]
+    assert all(float(r["weight_growth_max"]) > 0 for r in trained)
+    assert all(r["noise_walk_max"] in ("", "nan") for r in trained if r["variant"] == "no-dp")
+    assert all(float(r["noise_walk_max"]) > 0 for r in trained if r["variant"] == "gaussian")
+    assert "| weight growth | noise walk | saturated |" in summary
     lines = summary.splitlines()
     assert [line.split(" | ")[:2] for line in lines if line.startswith(("| gaussian | 3", "| hog | 8"))] == [
         ["| gaussian", "3.0"], ["| hog", "8.0"]]

@@ -20,14 +20,25 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
     lines = [f"# Sweep `{sweep.path.name}`", "",
              f"{len(finals)} of {len(sweep.cells)} cells finished. Final {metric} is the test {metric} after "
              f"the last round, mean ± sample std over {', '.join(sweep.replicate_keys)} (n finished cells); "
-             "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means).", "",
-             *_header(["variant", *keys, "n", f"final {metric}", "ε", "σ"])]
+             "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means). "
+             "What the noise did to the model, after the last round (fedhog.diagnostics, the mean over the cells "
+             "of their worst layer): weight growth ‖W_T‖/‖W_0‖; noise walk, the noise's expected random walk "
+             "over the layer's movement ‖W_T − W_0‖ (near 1 or above: moved mostly by noise; – without noise or "
+             "with an adaptive server optimizer); saturated, the fraction of a tanh or sigmoid layer's units "
+             "past its flat point (– for non-saturating activations).", "",
+             *_header(["variant", *keys, "n", f"final {metric}", "ε", "σ", "weight growth", "noise walk",
+                       "saturated"])]
     for (variant, *values), group in group_rows(finals, ["variant", *keys]).items():
         mean, std = mean_std([r[metric] for r in group])
         epsilon = float(np.mean([r["epsilon"] for r in group]))
         sigma = float(np.mean([r["sigma"] for r in group]))
         cells = [variant, *(format_grid_value(v) for v in values), str(len(group)), f"{_num(mean)} ± {_num(std)}",
                  format_value(epsilon), _num(sigma if math.isfinite(epsilon) else math.nan)]
+        diagnostics = [mean_std([r.get(k, math.nan) for r in group])[0]
+                       for k in ("weight_growth_max", "noise_walk_max", "saturated_max")]
+        cells += [_num(diagnostics[0], ".1f") + ("×" if math.isfinite(diagnostics[0]) else ""),
+                  _num(diagnostics[1], ".2f"), _num(diagnostics[2] * 100, ".0f") + ("%" if math.isfinite(
+                      diagnostics[2]) else "")]
         lines.append(_row(cells))
     if comparisons:
         lines += ["", "## Paired comparisons", "",
