@@ -36,7 +36,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,  # x·Φ(x) (exact, not the tanh approximation): smooth, unbounded above
     "softplus": nn.Softplus,  # log(1 + eˣ): smooth, unbounded above, positive
 }
-DEFAULT_ACTIVATION = "silu"
+DEFAULT_ACTIVATION = "gelu"
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MLP_HIDDEN = 64
 CNN1D_CHANNELS = 25  # the MNIST-1D paper's CNN (three stride-2 convolutions)

@@ -99,5 +99,5 @@ def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, monkeypatch)
     quiet = RunConfig().with_overrides({**SMALL, "mechanism": "none", "results-dir": str(tmp_path / "quiet")})
     run_vectorized(server_app, client_app, quiet)
     record = json.loads((tmp_path / "quiet" / "metrics.json").read_text())["rounds"][-1]
-    assert not any(key.startswith(("walk/", "saturated/")) for key in record["layers"])  # no noise; silu
+    assert not any(key.startswith(("walk/", "saturated/")) for key in record["layers"])  # no noise; gelu
     assert record["warnings"] == []
