@@ -521,3 +521,21 @@ mechanism = "none"
     assert f"{gaussian:.4f}" in summary
     rows = _read_csv(sweep.output / "results.csv")
     assert {"auprc", "auroc"} <= set(rows[0]) and rows[0]["round"] == "0" and rows[0]["auprc"] != ""
+
+
+def test_choice_stability_counts_agreeing_seeds_margin_and_grid_edges():
+    from fedhog.sweep.stats import TrialScore, best_settings, choice_stability
+
+    condition = (("target-epsilon", 3.0),)
+    by_seed = {  # (C, η) → validation score, per tuning seed
+        100: {(0.3, 0.5): 0.40, (0.3, 1.0): 0.52, (0.3, 2.0): 0.50, (1.0, 1.0): 0.30},
+        101: {(0.3, 0.5): 0.41, (0.3, 1.0): 0.49, (0.3, 2.0): 0.50, (1.0, 1.0): 0.31},
+    }
+    scores = [TrialScore("dp", condition, (("clipping-norm", c), ("server-learning-rate", eta)), score, seed)
+              for seed, table in by_seed.items() for (c, eta), score in table.items()]
+    choices = best_settings(scores)
+    assert choices[("dp", condition)] == {"clipping-norm": 0.3, "server-learning-rate": 1.0}  # mean 0.505 vs 0.500
+    stability = choice_stability(scores, choices)[("dp", condition)]
+    assert (stability.seeds_agreeing, stability.seeds) == (1, 2)  # seed 101 alone would take η = 2.0
+    assert stability.margin == pytest.approx(0.505 - 0.500)
+    assert stability.on_edge == ("clipping-norm",)  # C = 0.3 is the smallest tried; η = 1.0 is inside

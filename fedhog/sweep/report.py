@@ -10,7 +10,8 @@ import numpy as np
 
 from ..progress import format_value
 from .spec import Sweep, format_grid_value
-from .stats import PairedComparison, TrialScore, final_rows, group_rows, mean_std, setting_scores
+from .stats import (PairedComparison, TrialScore, choice_stability, final_rows, group_rows, mean_std,
+                    setting_scores)
 
 
 def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison]) -> str:
@@ -57,7 +58,8 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
                      _num(c.wilcoxon_statistic, "g"), _num(c.wilcoxon_pvalue, ".3g")]
             lines.append(_row(cells))
     if sweep.choices is not None:
-        lines += ["", "## Tuned values", "", _tuning_sentence(sweep) + " Every setting's score: `tuning.md`.", "",
+        lines += ["", "## Tuned values", "", _tuning_sentence(sweep) + " Every setting's score, and how stable each "
+                  "choice is (seeds agreeing, margin, grid edges): `tuning.md`.", "",
                   *_header(["variant", *keys, "chosen"])]
         for (variant, condition), chosen in sweep.choices.items():
             values = dict(condition)
@@ -95,6 +97,17 @@ def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tu
         lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
                            ", ".join(f"{k} = {format_grid_value(v)}" for k, v in setting), str(n), _num(score),
                            "✔" if chosen else ""]))
+    lines += ["", "## How stable each choice is", "",
+              "Seeds agreeing: of the tuning seeds, how many would have chosen the same setting alone. Margin: the "
+              "chosen setting's mean validation accuracy minus the runner-up's (a margin within the seeds' spread "
+              "is a coin toss). On the edge: a numeric key whose chosen value is the smallest or largest tried — "
+              "a wider grid may do better; widen it and run the sweep again (finished runs are kept).", "",
+              *_header(["variant", "condition", "chosen", "seeds agreeing", "margin", "on the edge"])]
+    for (variant, condition), stability in choice_stability(scores, choices).items():
+        chosen_text = ", ".join(f"{k} = {format_grid_value(v)}" for k, v in choices[(variant, condition)].items())
+        lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
+                           chosen_text, f"{stability.seeds_agreeing} of {stability.seeds}",
+                           _num(stability.margin), ", ".join(stability.on_edge) or "–"]))
     return "\n".join(lines) + "\n"
 
 

@@ -152,7 +152,8 @@ def tuning_choices(sweep: Sweep) -> tuple[list[TrialScore], dict[tuple[str, tupl
         document = _finished_metrics(trial.cell)
         if document is not None:
             scores.append(TrialScore(trial.cell.variant, trial.condition, trial.setting,
-                                     validation_score(document["rounds"], sweep.tuning.last_rounds)))
+                                     validation_score(document["rounds"], sweep.tuning.last_rounds),
+                                     trial.cell.config.seed))
     expected = {(t.cell.variant, t.condition) for t in sweep.trials}
     choices = best_settings(scores)
     missing = sorted(expected - set(choices), key=str)
