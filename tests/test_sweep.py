@@ -419,6 +419,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
     assert {c.variant for c in tuned.cells} == {"gaussian", "hog", "no-dp"}
     assert "## Tuned values" in (sweep.output / "summary.md").read_text()
     assert "✔" in (sweep.output / "tuning.md").read_text()
+    assert "## How stable each choice is" in (sweep.output / "tuning.md").read_text()
     (sweep.output / "tuning.md").unlink()
     assert sweep_command(sweep.path, list_only=True) == 0
     assert not (sweep.output / "tuning.md").exists()  # listing a tuned sweep writes nothing
