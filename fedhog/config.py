@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from .data import PARTITIONERS, TABULAR_FORMATS, DataSpec, validate_spec
 from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
-from .models import MODELS, is_factory
+from .models import ACTIVATIONS, DEFAULT_ACTIVATION, MODELS, is_factory
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
@@ -69,6 +69,7 @@ class RunConfig:
     metrics: str = "accuracy"
     # model and local training
     model: str = "cnn1d"
+    activation: str = DEFAULT_ACTIVATION  # of the built-in models' hidden layers (fedhog.models.ACTIVATIONS)
     local_epochs: int = 1
     batch_size: int = 16
     learning_rate: float = 0.05
@@ -262,6 +263,7 @@ class RunConfig:
             raise ConfigError(f"model={self.model!r} is not allowed; expected one of {', '.join(MODELS)} or "
                               "'package.module:factory', a callable factory(input_shape, num_classes) returning "
                               "a torch.nn.Module")
+        _choice("activation", self.activation, tuple(ACTIVATIONS))
         for name in self.test_metrics:
             _check("metrics", self.metrics, name in TEST_METRICS,
                    f"comma-separated names among {', '.join(TEST_METRICS)} ({name!r} is not one)")

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .config import RunConfig, load_config
+from .config import RunConfig, load_config, read_toml
 from .data import dataset_info
 from .models import build_model
 from .results import atomic_write
@@ -55,7 +55,9 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
     if not config_path.is_file():
         raise ExportError(f"results_dir={str(results_dir)!r} has no config.toml: not a fedhog results folder")
     try:
-        config = load_config(config_path)
+        # A folder written before the activation became a key trained tanh models (fedhog.models.ACTIVATIONS).
+        legacy = {} if "activation" in read_toml(config_path) else {"activation": "tanh"}
+        config = load_config(config_path, legacy)
         input_shape, num_classes = dataset_info(config.data_spec)
     except ValueError as error:  # ConfigError, or a dataset the data module rejects
         raise ExportError(f"{config_path} is not a usable run config: {error}") from None
@@ -70,7 +72,7 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
     if not isinstance(state, dict):
         raise ExportError(f"{weights_path} holds a {type(state).__name__}, not a state dict")
     try:
-        model = build_model(config.model, input_shape, num_classes)
+        model = build_model(config.model, input_shape, num_classes, config.activation)
     except ValueError as error:  # a user's factory that cannot be imported from here, or that failed
         raise ExportError(f"{config_path}: {error}; run fedhog export where the run was started, or put the "
                           "model's module on PYTHONPATH") from None

@@ -1,9 +1,15 @@
-"""Small smooth classifiers for derivative-heavy federated training.
+"""Small classifiers for derivative-heavy federated training under DP.
 
-All models use ``tanh`` (smooth, so higher-order derivatives are non-trivial),
-no BatchNorm or dropout (pure functions of parameters and inputs, usable with
-``torch.func``), and take inputs shaped as :mod:`fedhog.data` provides them:
-``[B, *input_shape]``. They return logits ``[B, num_classes]``.
+Every hidden layer is followed by the ``activation`` the run selects
+(:data:`ACTIVATIONS`). The default, :data:`DEFAULT_ACTIVATION`, is smooth (its
+third derivative is non-zero, so the third-order term carries something) and
+does not saturate: under DP the server's noise makes the weights grow as a
+random walk, and a saturating ``tanh`` then loses its gradient (README, "What
+DP costs"). ``tanh`` (fedhog's models before that finding, reproduced
+bit-for-bit) and ``relu`` (piecewise linear: its higher derivatives vanish)
+stay selectable. No BatchNorm or dropout (pure functions of parameters and
+inputs, usable with ``torch.func``); inputs are shaped as :mod:`fedhog.data`
+provides them, ``[B, *input_shape]``, and the output is logits ``[B, num_classes]``.
 
 A model can also be the user's own: ``model = "package.module:factory"``
 names a callable that :func:`build_model` calls as
@@ -23,6 +29,14 @@ import torch
 from torch import nn
 
 MODELS = ("logreg", "mlp", "cnn1d", "cnn2d")
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "tanh": nn.Tanh,  # smooth, saturates: fedhog's models until the activation became a choice
+    "relu": nn.ReLU,  # does not saturate, not smooth (third derivative zero almost everywhere)
+    "silu": nn.SiLU,  # x·sigmoid(x): smooth, unbounded above
+    "gelu": nn.GELU,  # x·Φ(x) (exact, not the tanh approximation): smooth, unbounded above
+    "softplus": nn.Softplus,  # log(1 + eˣ): smooth, unbounded above, positive
+}
+DEFAULT_ACTIVATION = "gelu"
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MLP_HIDDEN = 64
 CNN1D_CHANNELS = 25  # the MNIST-1D paper's CNN (three stride-2 convolutions)
@@ -34,12 +48,12 @@ def _conv_len(length: int, kernel: int, stride: int, padding: int) -> int:
 
 
 class CNN1d(nn.Module):
-    """Three ``Conv1d(k=5, s=2, p=1)`` + tanh layers and a linear head.
+    """Three ``Conv1d(k=5, s=2, p=1)`` + activation layers and a linear head.
 
     Accepts ``[B, C, L]`` or, for one channel, ``[B, L]``.
     """
 
-    def __init__(self, channels: int, length: int, num_classes: int) -> None:
+    def __init__(self, channels: int, length: int, num_classes: int, activation: str = DEFAULT_ACTIVATION) -> None:
         super().__init__()
         out_len = length
         for _ in range(3):
@@ -48,7 +62,7 @@ class CNN1d(nn.Module):
             raise ValueError(f"model: input length {length} is not allowed for cnn1d; expected >= 15")
         layers: list[nn.Module] = []
         for c_in in (channels, CNN1D_CHANNELS, CNN1D_CHANNELS):
-            layers += [nn.Conv1d(c_in, CNN1D_CHANNELS, 5, stride=2, padding=1), nn.Tanh()]
+            layers += [nn.Conv1d(c_in, CNN1D_CHANNELS, 5, stride=2, padding=1), ACTIVATIONS[activation]()]
         self.features = nn.Sequential(*layers, nn.Flatten())
         self.head = nn.Linear(CNN1D_CHANNELS * out_len, num_classes)
 
@@ -60,19 +74,20 @@ class CNN1d(nn.Module):
 
 
 class CNN2d(nn.Module):
-    """``Conv2d(3x3)`` + tanh, ``Conv2d(3x3, stride 2)`` + tanh and a linear head.
+    """``Conv2d(3x3)`` + activation, ``Conv2d(3x3, stride 2)`` + activation and a linear head.
 
     Sized for 8x8 digits; accepts ``[B, C, H, W]`` or, for one channel, ``[B, H, W]``.
     """
 
-    def __init__(self, channels: int, height: int, width: int, num_classes: int) -> None:
+    def __init__(self, channels: int, height: int, width: int, num_classes: int,
+                 activation: str = DEFAULT_ACTIVATION) -> None:
         super().__init__()
         c1, c2 = CNN2D_CHANNELS
         self.features = nn.Sequential(
             nn.Conv2d(channels, c1, 3, padding=1),
-            nn.Tanh(),
+            ACTIVATIONS[activation](),
             nn.Conv2d(c1, c2, 3, stride=2, padding=1),
-            nn.Tanh(),
+            ACTIVATIONS[activation](),
             nn.Flatten(),
         )
         self.head = nn.Linear(c2 * _conv_len(height, 3, 2, 1) * _conv_len(width, 3, 2, 1), num_classes)
@@ -148,14 +163,15 @@ def _build_user_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn
     return model
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
+                activation: str = DEFAULT_ACTIVATION) -> nn.Module:
     """Build a freshly initialised model (initialisation uses torch's global RNG).
 
     Parameters
     ----------
     name : str
         ``package.module:factory`` (the user's own, see the module docstring) or
-        one of ``MODELS``: ``logreg`` (linear), ``mlp`` (two tanh hidden layers of
+        one of ``MODELS``: ``logreg`` (linear), ``mlp`` (two hidden layers of
         ``MLP_HIDDEN``), ``cnn1d`` (``input_shape`` ``(L,)`` or ``(C, L)``) or
         ``cnn2d`` (``input_shape`` ``(H, W)`` or ``(C, H, W)``). ``logreg`` and
         ``mlp`` flatten any ``input_shape``.
@@ -163,6 +179,12 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         Shape of one example, e.g. ``fedhog.data.dataset_info(spec)[0]``.
     num_classes : int
         Number of output logits.
+    activation : str
+        One of :data:`ACTIVATIONS`, after every hidden layer of the built-in
+        models (``logreg`` has none; a factory builds its own: ignored). For a
+        given torch seed the weights do not depend on it: only the
+        nonlinearity changes, and ``"tanh"`` builds fedhog's earlier models
+        exactly.
 
     Returns
     -------
@@ -172,7 +194,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     Raises
     ------
     ValueError
-        For an unknown ``name``, an ``input_shape`` the model cannot take, or
+        For an unknown ``name`` or ``activation``, an ``input_shape`` the model cannot take, or
         ``num_classes < 1``; for a factory that cannot be imported, raises, or
         whose model does not return ``[B, num_classes]``.
     """
@@ -180,6 +202,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         return _build_user_model(name, tuple(int(d) for d in input_shape), num_classes)
     if name not in MODELS:
         raise ValueError(f"model: model={name!r} is not allowed; expected one of {MODELS} or 'package.module:factory'")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"model: activation={activation!r} is not allowed; expected one of {tuple(ACTIVATIONS)}")
     shape = tuple(int(d) for d in input_shape)
     if not shape or min(shape) < 1:
         raise ValueError(f"model: input_shape={input_shape!r} is not allowed; expected positive sizes")
@@ -191,15 +215,15 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         return nn.Sequential(
             nn.Flatten(),
             nn.Linear(math.prod(shape), MLP_HIDDEN),
-            nn.Tanh(),
+            ACTIVATIONS[activation](),
             nn.Linear(MLP_HIDDEN, MLP_HIDDEN),
-            nn.Tanh(),
+            ACTIVATIONS[activation](),
             nn.Linear(MLP_HIDDEN, num_classes),
         )
     if name == "cnn1d":
         if len(shape) not in (1, 2):
             raise ValueError(f"model: input_shape={input_shape!r} is not allowed for cnn1d; expected (L,) or (C, L)")
-        return CNN1d(shape[0] if len(shape) == 2 else 1, shape[-1], num_classes)
+        return CNN1d(shape[0] if len(shape) == 2 else 1, shape[-1], num_classes, activation)
     if len(shape) not in (2, 3):
         raise ValueError(f"model: input_shape={input_shape!r} is not allowed for cnn2d; expected (H, W) or (C, H, W)")
-    return CNN2d(shape[0] if len(shape) == 3 else 1, shape[-2], shape[-1], num_classes)
+    return CNN2d(shape[0] if len(shape) == 3 else 1, shape[-2], shape[-1], num_classes, activation)

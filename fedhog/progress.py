@@ -70,10 +70,14 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
 
 
 def round_status(record: dict) -> str:
-    """``accuracy 0.912  AUPRC 0.433  ε 1.2`` for one round of ``metrics.json`` (AUROC/AUPRC when measured)."""
+    """``accuracy 0.912  AUPRC 0.433  ε 1.2`` for one round of ``metrics.json`` (AUROC/AUPRC when measured),
+    then the first of the round's :mod:`fedhog.diagnostics` warnings (noise dominating a layer, saturation)."""
     ranking = "".join(f"  {name.upper()} {format_value(record[name])}" for name in ("auroc", "auprc")
                       if record.get(name) is not None)
-    return f"accuracy {format_value(record.get('accuracy'))}{ranking}  ε {format_value(record.get('epsilon'))}"
+    warnings = record.get("warnings") or []
+    warning = f"  [yellow]⚠ {escape(warnings[0])}{f' (+{len(warnings) - 1} more)' if len(warnings) > 1 else ''}[/]" \
+        if warnings else ""
+    return f"accuracy {format_value(record.get('accuracy'))}{ranking}  ε {format_value(record.get('epsilon'))}{warning}"
 
 
 def read_metrics_file(path: Path) -> dict | None:

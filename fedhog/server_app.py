@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
+from .diagnostics import saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
@@ -36,6 +37,8 @@ from .training import evaluate_metrics
 app = ServerApp()
 _stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
+Diagnose = Callable[[RoundRecord, ArrayRecord], None]
+DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is counted on
 
 
 @app.main()
@@ -81,7 +84,7 @@ def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
     if config.server_step == "none":
         return None
     with torch.random.fork_rng():  # its weights are overwritten every round: leave the run's torch RNG as it was
-        model = build_model(config.model, *dataset_info(config.data_spec))
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
     return ProxyStepLength(config.server_step_settings, model, load_proxy_set(config.data_spec),
                            list(model.state_dict()))
 
@@ -142,7 +145,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     input_shape, num_classes = dataset_info(config.data_spec)
     config.check_metrics(num_classes)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape, num_classes)
+    model = build_model(config.model, input_shape, num_classes, config.activation)
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
@@ -155,6 +158,26 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         return MetricRecord(metrics)
 
     initial = ArrayRecord(model.state_dict())
+    initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    probe = torch.as_tensor(test_set.x[:DIAGNOSTIC_EXAMPLES])
+    linear_momentum = ({"sgd": 0.0, "momentum": config.server_momentum}.get(config.server_optimizer)
+                       if config.aggregator == "fedhog" else None)
+    warned: set[str] = set()
+
+    def diagnose(record: RoundRecord, arrays: ArrayRecord) -> None:
+        """Weight growth, the noise's random walk and saturation of the released model (post-processing)."""
+        state = arrays.to_torch_state_dict()
+        model.load_state_dict(state)
+        record.layers = {**weight_diagnostics(initial_state, state, record.round, record.noise_std,
+                                              config.server_learning_rate, linear_momentum),
+                         **saturated_fractions(model, probe)}
+        record.warnings = warnings_for(record.layers)
+        for warning in record.warnings:
+            layer = warning.split(":")[0]
+            if layer not in warned:  # once per layer and kind in the log; every round in metrics.json
+                warned.add(layer)
+                log(WARNING, "round %d: %s", record.round, warning)
+
     try:
         if config.metrics_port >= 0:
             port = monitor.start_http_server(config.metrics_port)  # 127.0.0.1 only
@@ -163,10 +186,10 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
         if config.aggregator == "flower-dp":
-            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn)
+            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn, diagnose)
         else:
             arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
-                                                     checkpoint)
+                                                     checkpoint, diagnose)
     except BaseException as error:
         with deferred():
             if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
@@ -203,7 +226,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
 
 def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
                            initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                           checkpoint: Checkpoint | None) -> tuple[ArrayRecord, float]:
+                           checkpoint: Checkpoint | None, diagnose: Diagnose) -> tuple[ArrayRecord, float]:
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
@@ -211,6 +234,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
+        diagnose(record, arrays)
         with deferred():  # an interrupt waits until the round's metrics and checkpoint are written
             writer.add_round(record)
             monitor.observe_round(record, strategy.client_metrics)
@@ -281,13 +305,15 @@ def _stop_if_rounds_empty(rounds: list[dict], reasons: dict[str, str], delta: fl
 
 
 def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                         initial: ArrayRecord, evaluate_fn: EvaluateFn) -> tuple[ArrayRecord, float]:
+                         initial: ArrayRecord, evaluate_fn: EvaluateFn,
+                         diagnose: Diagnose) -> tuple[ArrayRecord, float]:
     """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
     from .flower_baseline import run_flower_dp
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):
             raise KeyboardInterrupt("stopped by its launcher")
+        diagnose(record, arrays)
         writer.add_round(record)
         monitor.observe_round(record)
         monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)

@@ -97,6 +97,8 @@ class RoundRecord:
     bytes_received: int = 0
     rejections: dict[str, int] = field(default_factory=dict)
     failure: str = ""  # what went wrong: no accepted contribution (noise alone released), or an unmasking failed
+    layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
+    warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
 
 
 @runtime_checkable

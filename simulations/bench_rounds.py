@@ -15,6 +15,12 @@ accountant's ε after every round (10–35 ms, growing with the rounds) is the
 same work on every engine, so those rows show what the engines themselves cost.
 The figure is the median of rounds 2..T of each run's own per-round
 ``seconds`` in ``metrics.json`` (sampling to evaluation, results written).
+Every row runs the default activation (``fedhog.models.DEFAULT_ACTIVATION``);
+``--activations`` instead times what an activation changes in a vectorized
+round — the cohort's local training and its third-order terms — for the MLP
+and the CNN per activation, interleaved, against tanh's (fedhog's models
+before the activation became a choice): a smooth activation must not make the
+round or the HOG term much slower.
 The vectorized engine also runs populations of 10 000 and 100 000 clients
 with cohorts of 100 (IID, about 20 examples each: MNIST-1D is generated
 once and cached, which takes minutes for 100 000 clients), and a long run of
@@ -26,6 +32,7 @@ Usage::
     python simulations/bench_rounds.py --json     # {"rows": [...], "rss_over_rounds": [...]}
     python simulations/bench_rounds.py --quick    # fewer rounds, population 1 000 only
     python simulations/bench_rounds.py --full     # adds Flower's Simulation Engine
+    python simulations/bench_rounds.py --activations [gelu silu] [--quick]  # the round per activation vs tanh
 """
 
 from __future__ import annotations
@@ -117,12 +124,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, population 1 000 only")
     parser.add_argument("--full", action="store_true", help="also Flower's Simulation Engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each run (default 1)")
+    parser.add_argument("--activations", nargs="*", metavar="NAME",
+                        help="only the vectorized rows, once per activation (all when none is named; tanh always), "
+                        "each against tanh's")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return
     rounds = 6 if args.quick else 20
+    if args.activations is not None:
+        activation_table(rounds, args.threads, args.json, args.activations)
+        return
     engines = ["inprocess", "vectorized"] + (["simulation"] if args.full else [])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedhog-bench-") as work:
@@ -177,9 +190,67 @@ def main() -> None:
           + ", ".join(f"round {p['round']}: {p['rss_mib']:.0f}" for p in rss_over_rounds))
 
 
+def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -> None:
+    """The cohort's local work (gaussian) and with the HOG term, per activation, against tanh's.
+
+    What an activation changes in a vectorized round is the cohort's training and, with HOG, its third-order
+    terms (:class:`fedhog.cohort.CohortTrainer`); the rest of a round (sampling, clipping, noise, accounting,
+    evaluation) does not depend on it. So this times exactly that, in this process, the activations
+    interleaved (``rounds`` repetitions, round-robin, medians), so that load from other processes on a
+    shared machine falls on every activation alike.
+    """
+    import torch
+
+    from fedhog.cohort import CohortTrainer, HogSettings
+    from fedhog.config import RunConfig
+    from fedhog.data import dataset_info, population_training_data
+    from fedhog.models import ACTIVATIONS, build_model
+    from fedhog.training import direction_seed
+
+    unknown = set(names) - set(ACTIVATIONS)
+    if unknown:
+        raise SystemExit(f"--activations: {sorted(unknown)} not allowed; expected names among {list(ACTIVATIONS)}")
+    chosen = ["tanh", *(name for name in (names or ACTIVATIONS) if name != "tanh")]
+    torch.set_num_threads(threads)
+    config = RunConfig().with_overrides({k: v for k, v in WORKLOAD.items() if k != "noise-multiplier"})
+    x, y, indices = population_training_data(config.data_spec)
+    cohort = list(range(100))
+    seeds = [direction_seed(config.seed, 1, p) for p in cohort]
+    timings: dict[tuple[str, str, str], list[float]] = {}
+    trainers = {}
+    for model in ("mlp", "cnn1d"):
+        for activation in chosen:
+            torch.manual_seed(0)
+            network = build_model(model, *dataset_info(config.data_spec), activation)
+            trainers[model, activation] = (CohortTrainer(network, x, y, indices, torch.device("cpu")),
+                                           network.state_dict())
+    for _ in range(rounds):
+        for (model, activation), (trainer, start) in trainers.items():
+            for mechanism, hog in (("gaussian", None), ("hog", HogSettings("random", "third-order", 32))):
+                began = time.perf_counter()
+                trainer.train(start, cohort, seeds, 1, config.batch_size, config.learning_rate, 0.0, hog)
+                timings.setdefault((model, mechanism, activation), []).append(time.perf_counter() - began)
+    rows = [{"model": m, "mechanism": k, "activation": a, "seconds": statistics.median(t)}
+            for (m, k, a), t in timings.items()]
+    if quiet:
+        print(json.dumps({"rows": rows}, indent=2))
+        return
+    tanh = {(r["model"], r["mechanism"]): r["seconds"] for r in rows if r["activation"] == "tanh"}
+    gaussian = {(r["model"], r["activation"]): r["seconds"] for r in rows if r["mechanism"] == "gaussian"}
+    print(f"a cohort of 100 (MNIST-1D, 1 local epoch of batch 10; hog: + the third-order term on 32 examples), "
+          f"torch threads: {threads}; median of {rounds} interleaved repetitions\n")
+    print("| model | mechanism | activation | ms per cohort | × tanh's | hog × gaussian |")
+    print("|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["model"] != "mlp", r["mechanism"], chosen.index(r["activation"]))):
+        hog = f"{r['seconds'] / gaussian[r['model'], r['activation']]:.2f}" if r["mechanism"] == "hog" else ""
+        print(f"| {r['model']} | {r['mechanism']} | {r['activation']} | {r['seconds'] * 1e3:.0f} "
+              f"| {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} |")
+
+
 def _progress(row: dict, quiet: bool) -> None:
     if not quiet:
-        print(f"  measured {row['engine']} {row['model']} {row['mechanism']} N={row['population']}: "
+        print(f"  measured {row['engine']} {row['model']} {row['mechanism']} {row.get('activation', '')} "
+              f"N={row['population']}: "
               f"{row['seconds_per_round'] * 1e3:.1f} ms/round", file=sys.stderr)
 
 

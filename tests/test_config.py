@@ -175,7 +175,7 @@ NON_DEFAULT = {
     "dataset": f"csv:{TINY_CSV}", "label-column": "label", "feature-columns": "x1,x2", "client-column": "branch",
     "metrics": "auprc,accuracy", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
     "classes-per-client": 3, "validation-fraction": 0.0, "server-validation-fraction": 0.1, "proxy-fraction": 0.05,
-    "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp",
+    "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp", "activation": "silu",
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
     "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75, "round-timeout": 45.0, "max-update-norm": 1e3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
@@ -246,3 +246,9 @@ def test_noise_multiplier_and_target_epsilon_together_are_refused(tmp_path):
     assert load_config(path, {"target-epsilon": 3.0}).target_epsilon == 3.0
     with pytest.raises(ConfigError, match="target-epsilon"):
         RunConfig().with_overrides({"target-epsilon": -1.0})
+
+
+def test_an_unknown_activation_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError, match="activation='sine'") as info:
+        RunConfig.from_mapping({"activation": "sine"})
+    assert all(name in str(info.value) for name in ("tanh", "relu", "silu", "gelu", "softplus"))

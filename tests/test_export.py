@@ -162,3 +162,17 @@ def test_a_model_module_that_cannot_be_imported_here_is_one_line(tmp_path, monke
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     assert "model='my_export_model:make' cannot be imported" in lines[0] and "PYTHONPATH" in lines[0]
+
+
+def test_a_folder_from_before_the_activation_key_rebuilds_its_tanh_model(tmp_path):
+    """config.toml without `activation` was written when every built-in model used tanh: exporting it must not
+    silently load tanh-trained weights into the new default activation."""
+    folder, network = _hand_made(tmp_path / "legacy", "mlp")
+    text = (folder / "config.toml").read_text()
+    (folder / "config.toml").write_text("\n".join(line for line in text.splitlines()
+                                                  if not line.startswith("activation")) + "\n")
+    rebuilt = load_trained_model(folder)
+    assert rebuilt.config.activation == "tanh"
+    assert any(isinstance(m, torch.nn.Tanh) for m in rebuilt.model.modules())
+    current, _ = _hand_made(tmp_path / "current", "mlp")
+    assert load_trained_model(current).config.activation == RunConfig().activation

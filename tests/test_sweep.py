@@ -196,6 +196,12 @@ def test_the_smoke_sweep_writes_the_csv_summary_and_plots(smoke):
     assert {r["clients_sampled"] for r in rows if r["variant"] == "flower-dp" and r["round"] != "0"} == {"5"}
     summary = (sweep.output / "summary.md").read_text()
     assert "14 of 14 cells finished" in summary
+    # the diagnostics of the released model: every round's worst layer; the noise walk only where there is noise
+    trained = [r for r in rows if r["round"] != "0"]
+    assert all(float(r["weight_growth_max"]) > 0 for r in trained)
+    assert all(r["noise_walk_max"] in ("", "nan") for r in trained if r["variant"] == "no-dp")
+    assert all(float(r["noise_walk_max"]) > 0 for r in trained if r["variant"] == "gaussian")
+    assert "| weight growth | noise walk | saturated |" in summary
     lines = summary.splitlines()
     assert [line.split(" | ")[:2] for line in lines if line.startswith(("| gaussian | 3", "| hog | 8"))] == [
         ["| gaussian", "3.0"], ["| hog", "8.0"]]
@@ -413,6 +419,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
     assert {c.variant for c in tuned.cells} == {"gaussian", "hog", "no-dp"}
     assert "## Tuned values" in (sweep.output / "summary.md").read_text()
     assert "✔" in (sweep.output / "tuning.md").read_text()
+    assert "## How stable each choice is" in (sweep.output / "tuning.md").read_text()
     (sweep.output / "tuning.md").unlink()
     assert sweep_command(sweep.path, list_only=True) == 0
     assert not (sweep.output / "tuning.md").exists()  # listing a tuned sweep writes nothing
@@ -515,3 +522,21 @@ mechanism = "none"
     assert f"{gaussian:.4f}" in summary
     rows = _read_csv(sweep.output / "results.csv")
     assert {"auprc", "auroc"} <= set(rows[0]) and rows[0]["round"] == "0" and rows[0]["auprc"] != ""
+
+
+def test_choice_stability_counts_agreeing_seeds_margin_and_grid_edges():
+    from fedhog.sweep.stats import TrialScore, best_settings, choice_stability
+
+    condition = (("target-epsilon", 3.0),)
+    by_seed = {  # (C, η) → validation score, per tuning seed
+        100: {(0.3, 0.5): 0.40, (0.3, 1.0): 0.52, (0.3, 2.0): 0.50, (1.0, 1.0): 0.30},
+        101: {(0.3, 0.5): 0.41, (0.3, 1.0): 0.49, (0.3, 2.0): 0.50, (1.0, 1.0): 0.31},
+    }
+    scores = [TrialScore("dp", condition, (("clipping-norm", c), ("server-learning-rate", eta)), score, seed)
+              for seed, table in by_seed.items() for (c, eta), score in table.items()]
+    choices = best_settings(scores)
+    assert choices[("dp", condition)] == {"clipping-norm": 0.3, "server-learning-rate": 1.0}  # mean 0.505 vs 0.500
+    stability = choice_stability(scores, choices)[("dp", condition)]
+    assert (stability.seeds_agreeing, stability.seeds) == (1, 2)  # seed 101 alone would take η = 2.0
+    assert stability.margin == pytest.approx(0.505 - 0.500)
+    assert stability.on_edge == ("clipping-norm",)  # C = 0.3 is the smallest tried; η = 1.0 is inside

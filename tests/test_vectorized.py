@@ -119,6 +119,9 @@ CONFIGS = {
     "hog-control": {"mechanism": "hog", "hog-term": "random"},
     "adaptive-clipping": {"adaptive-clipping": True, "count-noise-std": 1.0},
     "cnn-hog-fixed": {"model": "cnn2d", "mechanism": "hog", "sampling": "fixed", "momentum": 0.0},
+    "tanh-as-before": {"activation": "tanh"},  # the rows above run the default activation (gelu)
+    "cnn-silu-hog": {"model": "cnn2d", "activation": "silu", "mechanism": "hog", "momentum": 0.0},
+    "softplus-hog-update": {"activation": "softplus", "mechanism": "hog", "hog-direction": "update"},
     "flower-dp": {"aggregator": "flower-dp", "sampling": "fixed", "accountant": "rdp", "server-learning-rate": 2.0},
 }
 

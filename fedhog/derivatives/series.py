@@ -121,6 +121,11 @@ def sigmoid(z: Series, n: int) -> Series:
     return tuple(y)
 
 
+def silu(z: Series, n: int) -> Series:
+    """``z σ(z)`` (SiLU, swish): the product of ``z`` and its sigmoid series."""
+    return mul(tuple(z), sigmoid(z, n), n)
+
+
 def softplus(z: Series, n: int) -> Series:
     """``log(1 + eᶻ)``: ``y' = σ(z) z'``."""
     s = sigmoid(z, n - 1) if n > 1 else ()

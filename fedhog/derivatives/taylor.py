@@ -173,6 +173,8 @@ _SMOOTH: dict[Any, Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]] = {
     torch.sigmoid: series.sigmoid,
     F.sigmoid: series.sigmoid,
     "sigmoid": series.sigmoid,
+    F.silu: series.silu,
+    "silu": series.silu,
     torch.relu: series.relu,
     F.relu: series.relu,
     "relu": series.relu,
@@ -395,7 +397,7 @@ def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
             return None
         conv = F.conv1d if t is nn.Conv1d else F.conv2d
         return lambda n, x, w, b: _conv_rule(conv)(n, x, w, b, m.stride, m.padding, m.dilation, m.groups)
-    smooth = {nn.Tanh: series.tanh, nn.Sigmoid: series.sigmoid, nn.ReLU: series.relu}
+    smooth = {nn.Tanh: series.tanh, nn.Sigmoid: series.sigmoid, nn.SiLU: series.silu, nn.ReLU: series.relu}
     if t in smooth:
         return lambda n, x, w, b: _unary(smooth[t], x, n)
     if t is nn.GELU and m.approximate == "none":

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..progress import format_value
 from .spec import Sweep, format_grid_value
-from .stats import PairedComparison, TrialScore, final_rows, group_rows, mean_std, setting_scores
+from .stats import (PairedComparison, TrialScore, choice_stability, final_rows, group_rows, mean_std,
+                    setting_scores)
 
 
 def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison]) -> str:
@@ -20,14 +21,25 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
     lines = [f"# Sweep `{sweep.path.name}`", "",
              f"{len(finals)} of {len(sweep.cells)} cells finished. Final {metric} is the test {metric} after "
              f"the last round, mean ± sample std over {', '.join(sweep.replicate_keys)} (n finished cells); "
-             "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means).", "",
-             *_header(["variant", *keys, "n", f"final {metric}", "ε", "σ"])]
+             "ε is the accountant's ε after the last round and σ the noise multiplier it ran with (means). "
+             "What the noise did to the model, after the last round (fedhog.diagnostics, the mean over the cells "
+             "of their worst layer): weight growth ‖W_T‖/‖W_0‖; noise walk, the noise's expected random walk "
+             "over the layer's movement ‖W_T − W_0‖ (near 1 or above: moved mostly by noise; – without noise or "
+             "with an adaptive server optimizer); saturated, the fraction of a tanh or sigmoid layer's units "
+             "past its flat point (– for non-saturating activations).", "",
+             *_header(["variant", *keys, "n", f"final {metric}", "ε", "σ", "weight growth", "noise walk",
+                       "saturated"])]
     for (variant, *values), group in group_rows(finals, ["variant", *keys]).items():
         mean, std = mean_std([r[metric] for r in group])
         epsilon = float(np.mean([r["epsilon"] for r in group]))
         sigma = float(np.mean([r["sigma"] for r in group]))
         cells = [variant, *(format_grid_value(v) for v in values), str(len(group)), f"{_num(mean)} ± {_num(std)}",
                  format_value(epsilon), _num(sigma if math.isfinite(epsilon) else math.nan)]
+        diagnostics = [mean_std([r.get(k, math.nan) for r in group])[0]
+                       for k in ("weight_growth_max", "noise_walk_max", "saturated_max")]
+        cells += [_num(diagnostics[0], ".1f") + ("×" if math.isfinite(diagnostics[0]) else ""),
+                  _num(diagnostics[1], ".2f"), _num(diagnostics[2] * 100, ".0f") + ("%" if math.isfinite(
+                      diagnostics[2]) else "")]
         lines.append(_row(cells))
     if comparisons:
         lines += ["", "## Paired comparisons", "",
@@ -46,7 +58,8 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
                      _num(c.wilcoxon_statistic, "g"), _num(c.wilcoxon_pvalue, ".3g")]
             lines.append(_row(cells))
     if sweep.choices is not None:
-        lines += ["", "## Tuned values", "", _tuning_sentence(sweep) + " Every setting's score: `tuning.md`.", "",
+        lines += ["", "## Tuned values", "", _tuning_sentence(sweep) + " Every setting's score, and how stable each "
+                  "choice is (seeds agreeing, margin, grid edges): `tuning.md`.", "",
                   *_header(["variant", *keys, "chosen"])]
         for (variant, condition), chosen in sweep.choices.items():
             values = dict(condition)
@@ -84,6 +97,17 @@ def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tu
         lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
                            ", ".join(f"{k} = {format_grid_value(v)}" for k, v in setting), str(n), _num(score),
                            "✔" if chosen else ""]))
+    lines += ["", "## How stable each choice is", "",
+              "Seeds agreeing: of the tuning seeds, how many would have chosen the same setting alone. Margin: the "
+              "chosen setting's mean validation accuracy minus the runner-up's (a margin within the seeds' spread "
+              "is a coin toss). On the edge: a numeric key whose chosen value is the smallest or largest tried — "
+              "a wider grid may do better; widen it and run the sweep again (finished runs are kept).", "",
+              *_header(["variant", "condition", "chosen", "seeds agreeing", "margin", "on the edge"])]
+    for (variant, condition), stability in choice_stability(scores, choices).items():
+        chosen_text = ", ".join(f"{k} = {format_grid_value(v)}" for k, v in choices[(variant, condition)].items())
+        lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
+                           chosen_text, f"{stability.seeds_agreeing} of {stability.seeds}",
+                           _num(stability.margin), ", ".join(stability.on_edge) or "–"]))
     return "\n".join(lines) + "\n"
 
 

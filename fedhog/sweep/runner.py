@@ -152,7 +152,8 @@ def tuning_choices(sweep: Sweep) -> tuple[list[TrialScore], dict[tuple[str, tupl
         document = _finished_metrics(trial.cell)
         if document is not None:
             scores.append(TrialScore(trial.cell.variant, trial.condition, trial.setting,
-                                     validation_score(document["rounds"], sweep.tuning.last_rounds)))
+                                     validation_score(document["rounds"], sweep.tuning.last_rounds),
+                                     trial.cell.config.seed))
     expected = {(t.cell.variant, t.condition) for t in sweep.trials}
     choices = best_settings(scores)
     missing = sorted(expected - set(choices), key=str)
@@ -285,9 +286,19 @@ def collect_rows(sweep: Sweep) -> list[dict[str, Any]]:
         initial = {k: _float(v) for k, v in document["initial"].items()}  # accuracy, loss, auroc, auprc, ...
         rows.append({**head, "round": 0, **initial, "epsilon": 0.0})
         for record in document["rounds"]:
-            metrics = {k: _float(v) for k, v in record.items() if not isinstance(v, dict)}
-            rows.append({**head, **metrics})
+            metrics = {k: _float(v) for k, v in record.items() if not isinstance(v, (dict, list))}
+            rows.append({**head, **metrics, **layer_summary(record.get("layers") or {})})
     return rows
+
+
+def layer_summary(layers: dict[str, float]) -> dict[str, float]:
+    """The worst layer of a round's diagnostics (:mod:`fedhog.diagnostics`): largest weight growth, noise walk
+    and saturated fraction (NaN when the round has none: no noise, no saturating activation)."""
+    def worst(kind: str) -> float:
+        values = [_float(v) for k, v in layers.items() if k.startswith(f"{kind}/")]
+        return max(values) if values else math.nan
+
+    return {"weight_growth_max": worst("growth"), "noise_walk_max": worst("walk"), "saturated_max": worst("saturated")}
 
 
 def _float(value: Any) -> Any:

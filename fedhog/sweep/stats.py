@@ -120,6 +120,41 @@ class TrialScore:
     condition: tuple[tuple[str, Any], ...]
     setting: tuple[tuple[str, Any], ...]
     score: float
+    seed: int = 0  # the tuning run's data seed
+
+
+@dataclass(frozen=True)
+class ChoiceStability:
+    """How much to trust one tuned choice: do the seeds agree, by how much did it win, is it on the grid's edge."""
+
+    seeds_agreeing: int  # tuning seeds whose own best setting is the chosen one
+    seeds: int
+    margin: float  # the chosen setting's mean score minus the runner-up's (NaN with a single setting)
+    on_edge: tuple[str, ...]  # numeric keys whose chosen value is the smallest or largest value tried
+
+
+def choice_stability(scores: Sequence[TrialScore],
+                     choices: dict[tuple[str, tuple], dict[str, Any]]) -> dict[tuple[str, tuple], ChoiceStability]:
+    """(variant, condition) → :class:`ChoiceStability` of its chosen setting, from every tuning run's score."""
+    out = {}
+    for (variant, condition), chosen in choices.items():
+        mine = [s for s in scores if (s.variant, s.condition) == (variant, condition)]
+        by_seed: dict[int, list[TrialScore]] = {}
+        for s in mine:
+            by_seed.setdefault(s.seed, []).append(s)
+        agreeing = sum(dict(best_settings(runs).get((variant, condition), {})) == chosen
+                       for runs in by_seed.values())
+        means = sorted((score for (v, c, _), (score, _) in setting_scores(mine).items()
+                        if (v, c) == (variant, condition) and not math.isnan(score)), reverse=True)
+        margin = means[0] - means[1] if len(means) > 1 else math.nan
+        edge = []
+        for key, value in chosen.items():
+            tried = {dict(s.setting)[key] for s in mine}
+            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tried)
+            if numeric and len(tried) > 1 and value in (min(tried), max(tried)):
+                edge.append(key)
+        out[(variant, condition)] = ChoiceStability(agreeing, len(by_seed), margin, tuple(edge))
+    return out
 
 
 def validation_score(rounds: Sequence[dict[str, Any]], last_rounds: int) -> float:
