@@ -138,10 +138,10 @@ def _add_audit_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def audit_command(args: argparse.Namespace) -> int:
-    """``fedhog audit``: run :func:`fedhog.audit.runner.audit` and print its figures (or ``--json``)."""
+    """``fedhog audit``: run :func:`fedhog.auditing.runner.audit` and print its figures (or ``--json``)."""
     import json
 
-    from .audit import runner
+    from .auditing import runner
 
     options: dict[str, Any] = {"canaries": args.canaries, "threat_model": args.threat_model,
                                "harness_name": args.harness}

@@ -1,7 +1,7 @@
 """The figures of the README's *Auditing privacy*: every mechanism audited at ε = 3 and ε = 8.
 
 Prints one Markdown row per (mechanism, ε) and writes the audits' JSON to
-``--output``. Each row is ``fedhog.audit`` on a small committed setting (1000
+``--output``. Each row is ``fedhog.audit()`` on a small committed setting (1000
 clients, 10 % sampled, 10 rounds, worst-case canaries) unless it says
 otherwise; ``--goal`` adds the Gaussian mechanism's rows at the quickstart's
 setting (10 000 clients, 5 %, 80 rounds) and at a few-round one, with two
@@ -19,7 +19,7 @@ import math
 import time
 from pathlib import Path
 
-from fedhog.audit import runner
+from fedhog.auditing import runner
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 SETTING = {"population": 1000, "sampling-rate": 0.1, "rounds": 10}

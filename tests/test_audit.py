@@ -18,7 +18,8 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from fedhog.audit import attacks, bounds, harness, runner
+from fedhog.auditing import runner
+from fedhog.privacy.audit import attacks, bounds
 from fedhog.config import ConfigError
 from fedhog.privacy import mechanism
 
@@ -111,10 +112,16 @@ def test_real_trusted_mechanisms_stay_within_their_accounted_epsilon(config):
 
 
 def test_the_audit_has_power_on_the_real_gaussian_mechanism():
-    """Not only silent: at 100 000 trials the bound on the real mechanism is a good share of ε."""
-    result = small_audit(canaries=100_000)
+    """Not only silent: with 100 000 trials of 3 releases the bound on the real mechanism is a share of ε.
+
+    Through the Python entry point ``fedhog.audit``. (The README's figures, with ten times the trials, reach
+    more than half of ε; this checks that the bound is not vacuous, with a margin for the selection's luck.)
+    """
+    import fedhog
+
+    result = fedhog.audit({**SMALL, "sampling-rate": 0.5, "rounds": 3}, runs=1, canaries=100_000)
     best = max(o.epsilon_lower_bound for o in result.threat_models.values())
-    assert 0.25 * result.epsilon_accounted < best <= result.epsilon_accounted
+    assert 0.2 * result.epsilon_accounted < best <= result.epsilon_accounted
 
 
 @pytest.mark.parametrize("config, harness_name", [

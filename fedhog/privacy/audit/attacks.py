@@ -24,7 +24,7 @@ Threat models (Andrew et al. 2024, Section 4):
   (the HOG-mixed contribution, whose direction depends on the secret ξ).
 
 Higher scores mean "in". Which statistic the audit uses is chosen on half of
-the trials (:func:`fedhog.audit.bounds.select_decision`).
+the trials (:func:`fedhog.privacy.audit.bounds.select_decision`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``fedhog audit``: run a config's mechanism with canaries, score them, bound ε, write the results.
 
-The orchestration only: which code runs is :mod:`fedhog.audit.harness`,
-what the attacker computes is :mod:`fedhog.audit.attacks`, the bound is
-:mod:`fedhog.audit.bounds`.
+The orchestration only: which code runs is :mod:`fedhog.auditing.harness`,
+what the attacker computes is :mod:`fedhog.privacy.audit.attacks`, the bound is
+:mod:`fedhog.privacy.audit.bounds`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config
-from . import attacks, bounds, harness
+from ..privacy.audit import attacks, bounds
+from . import harness
 
 DEFAULT_RUNS = 4
 DEFAULT_CONFIDENCE = 0.95

@@ -63,7 +63,7 @@ from ..privacy.mechanism import CLIP_GUARD
 from ..privacy.randomness import PrivacyRandomness, client_bits, standard_normal
 from ..privacy.sampling import sample_cohort
 from ..strategy import ClientResult, RoundRecord, SecureAggregator
-from .attacks import Observation
+from ..privacy.audit.attacks import Observation
 
 ARRAY_KEY = "canaries"
 SQRT_HALF = math.sqrt(0.5)
