@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from fedhog.auditing import runner
+from fedhog.auditing import harness, runner
 from fedhog.privacy.audit import attacks, bounds
 from fedhog.config import ConfigError
 from fedhog.privacy import mechanism
@@ -29,7 +29,7 @@ logging.getLogger("flwr").setLevel(logging.WARNING)
 SMALL = {"population": 1000, "sampling-rate": 0.1, "rounds": 5, "mechanism": "gaussian", "target-epsilon": 2.0}
 
 
-def small_audit(runs: int = 1, canaries: int = 20_000, **overrides):
+def small_audit(runs: int = 1, canaries: int = 10_000, **overrides):
     return runner.audit({**SMALL, **{k.replace("_", "-"): v for k, v in overrides.pop("config", {}).items()}},
                         runs=runs, canaries=canaries, **overrides)
 
@@ -96,6 +96,31 @@ def test_the_likelihood_ratio_is_the_subsampled_gaussian_one():
     np.testing.assert_allclose(attacks.likelihood_ratio(observation), direct, rtol=1e-10)
 
 
+# --- the vectorized harness is the strategy's computation ---------------------------------------------------
+@pytest.mark.parametrize("config", [
+    {},
+    {"mechanism": "hog"},
+    {"adaptive-clipping": True},
+    pytest.param({"sampling": "fixed", "target-epsilon": 0.0, "noise-multiplier": 1.2},
+                 marks=pytest.mark.slow),  # RDP without replacement, every round of the strategy: ~7 s
+])
+def test_the_vectorized_harness_releases_what_the_strategy_releases(config):
+    """With a fixed privacy seed both draw the same cohorts, ξ and noise: the releases must agree.
+
+    The strategy runs its own round loop with one reply per canary (validation, ``aggregate``, the server
+    step on a float32 model); the vectorized harness batches the canaries' blocks. Equal observations
+    mean the fast path audits the code the runs execute.
+    """
+    resolved = runner.prepare({**SMALL, "population": 200, "rounds": 3, "privacy-seed": 5, **config}, {})
+    canaries = harness.CanarySet.draw(200, 100.0, np.random.default_rng(3))
+    batched = harness.run_batched(resolved, canaries).observation
+    strategy = harness.run_trusted(resolved, canaries).observation
+    np.testing.assert_allclose(batched.along, strategy.along, atol=1e-3)
+    np.testing.assert_allclose(batched.across, strategy.across, atol=1e-3)
+    np.testing.assert_allclose(batched.signal, strategy.signal, rtol=1e-9)
+    assert np.abs(batched.along).max() > 1  # not two empty observations
+
+
 # --- the real mechanisms are not flagged -------------------------------------------------------------------
 @pytest.mark.parametrize("config", [
     {},
@@ -137,6 +162,7 @@ def test_real_end_to_end_and_mechanism_level_paths_stay_within(config, harness_n
     assert not result.violated
 
 
+@pytest.mark.slow  # Opacus's import and hooks: ~5 s
 def test_real_dpsgd_stays_within_its_record_level_epsilon():
     result = small_audit(config={"client-dp": "dpsgd", "target-epsilon": 0.0, "dpsgd-noise-multiplier": 1.0,
                                  "batch-size": 50}, canaries=500)
@@ -227,6 +253,7 @@ def test_weaker_server_noise_under_secure_aggregation_is_flagged():
     assert result.harness == "secure" and _violated(result)
 
 
+@pytest.mark.slow  # the discrete Gaussian shares of 250 clients a round: ~5 s
 def test_clients_adding_a_hundredth_of_their_noise_share_is_flagged():
     """Distributed noise: the clients' shares, drawn by the plan's own sampler, with σ_l/100."""
     def weaker_shares(strategy):
@@ -246,12 +273,13 @@ def test_bad_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="threat-model='everything'"):
         small_audit(threat_model="everything")
     with pytest.raises(ConfigError, match="canaries=3001"):
-        small_audit(config={"sampling": "fixed"}, canaries=3001)
+        small_audit(config={"sampling": "fixed", "target-epsilon": 0.0, "noise-multiplier": 1.2}, canaries=3001)
     (tmp_path / "other").write_text("x")
     with pytest.raises(ConfigError, match="results-dir"):
         small_audit(results_dir=tmp_path)
 
 
+@pytest.mark.slow  # the CLI's imports and the quickstart's calibration: ~8 s
 def test_the_cli_prints_one_json_object_and_writes_the_results(tmp_path, capsys):
     from fedhog.cli import main
 
