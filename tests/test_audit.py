@@ -270,6 +270,8 @@ def test_clients_adding_a_hundredth_of_their_noise_share_is_flagged():
 def test_bad_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="runs=0"):
         small_audit(runs=0)
+    with pytest.raises(ConfigError, match="mechanism='none'.*no DP guarantee"):
+        small_audit(config={"mechanism": "none", "target-epsilon": 0.0})
     with pytest.raises(ConfigError, match="threat-model='everything'"):
         small_audit(threat_model="everything")
     with pytest.raises(ConfigError, match="canaries=3001"):

@@ -58,6 +58,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from .. import protocol
 from ..config import RunConfig
+from ..dpsgd import DpSgdSettings
 from ..privacy import mechanism as mechanisms  # module attributes, looked up at call time
 from ..privacy.mechanism import CLIP_GUARD
 from ..privacy.randomness import PrivacyRandomness, client_bits, standard_normal
@@ -390,22 +391,20 @@ def run_dpsgd(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None 
         handle.remove()
     seen.append(model.weight.detach().to(torch.float64).numpy().copy())
     batch = min(config.batch_size, count)
-    lattice_slack = 2 * _dpsgd_rounding_slack(settings, 2 * count)
-    sum_std = settings.noise_multiplier * (settings.max_grad_norm + lattice_slack)
+    sum_std = settings.noise_multiplier * (settings.max_grad_norm + 2 * _dpsgd_rounding_slack(settings, 2 * count))
     recorder = _Recorder(count, np.zeros(2 * count))
-    for weights in seen[1:]:  # columns j hold canary j's block: (w0_j, w1_j); the step moves them along −(−1, 1)
-        recorder.observe(-weights.T.reshape(-1) * batch / DPSGD_LEARNING_RATE, sum_std,
-                         settings.max_grad_norm, 1.0)
-    observation = recorder.observation(canaries, min(1.0, config.batch_size / count), "add-remove")
-    # the step moves column j by −η·g/B with g ∝ (−1, 1): along c = (1, −1)/√2 after the sign flip above
-    return RunOutcome(dataclasses.replace(observation, along=-observation.along), privacy.epsilon)
+    # A step moves W by −η·(noisy sum)/B; record j's gradient points along −c in column j (= block j), so
+    # W·B/η moves by the noisy sum with the sign that puts the canary along +c.
+    for weights in seen[1:]:
+        recorder.observe(weights.T.reshape(-1) * batch / DPSGD_LEARNING_RATE, sum_std, settings.max_grad_norm, 1.0)
+    return RunOutcome(recorder.observation(canaries, min(1.0, config.batch_size / count), "add-remove"),
+                      privacy.epsilon)
 
 
-def _dpsgd_rounding_slack(settings, dimension: int) -> float:
-    from ..privacy.mechanism import MechanismSettings, NoiseLattice
-
-    lattice = NoiseLattice.for_settings(MechanismSettings("gaussian", settings.max_grad_norm,
-                                                          settings.noise_multiplier), dimension)
+def _dpsgd_rounding_slack(settings: DpSgdSettings, dimension: int) -> float:
+    """g√d/2 of the lattice DP-SGD's noise lives on (``fedhog.dpsgd.lattice_noisy_sum``'s)."""
+    lattice = mechanisms.NoiseLattice.for_settings(
+        mechanisms.MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier), dimension)
     return lattice.rounding_slack
 
 

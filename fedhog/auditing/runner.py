@@ -158,6 +158,10 @@ def audit(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, r
         raise ConfigError(f"harness={harness_name!r} is not allowed; expected vectorized or strategy")
     resolved = prepare(config, overrides)
     kind = harness.harness_of(resolved, harness_name)
+    if kind != "dpsgd" and not resolved.mechanism_settings.has_guarantee:
+        raise ConfigError(f"mechanism={resolved.mechanism!r} with noise-multiplier={resolved.noise_multiplier:g} has "
+                          "no DP guarantee (ε = ∞): there is no accounted ε to audit; expected mechanism 'gaussian' "
+                          "or 'hog' with noise")
     count, limit = canaries, MAX_CANARIES[kind]
     if kind in ("strategy", "secure", "flower-dp"):  # every canary is a client of the population
         limit = min(limit, resolved.population)
