@@ -34,13 +34,13 @@ CASES: dict[str, tuple[dict, str, int, int]] = {
     "hog γ = 2": ({"mechanism": "hog", "mixing-strength": 2.0}, "vectorized", 250_000, 4),
     "gaussian, adaptive clipping": ({"mechanism": "gaussian", "adaptive-clipping": True}, "vectorized", 250_000, 4),
     "gaussian, end-to-end strategy": ({"mechanism": "gaussian"}, "strategy", 1000, 20),
-    "secagg+, central noise": ({"mechanism": "gaussian", "secure-aggregation": "secagg+"}, "vectorized", 1000, 20),
+    "secagg+, central noise": ({"mechanism": "gaussian", "secure-aggregation": "secagg+"}, "vectorized", 1000, 100),
     "secagg+, distributed noise": ({"mechanism": "gaussian", "secure-aggregation": "secagg+", "noise": "distributed",
                                     "sampling": "fixed"}, "vectorized", 1000, 20),
     "flower-dp (Flower's wrapper)": ({"aggregator": "flower-dp", "mechanism": "gaussian", "sampling": "fixed",
-                                      "accountant": "rdp"}, "vectorized", 1000, 5),
+                                      "accountant": "rdp"}, "vectorized", 1000, 50),
     "DP-SGD, record-level": ({"client-dp": "dpsgd", "mechanism": "gaussian", "batch-size": DPSGD_BATCH,
-                              "local-epochs": 1}, "vectorized", DPSGD_RECORDS, 20),
+                              "local-epochs": 1}, "vectorized", DPSGD_RECORDS, 200),
 }
 GOAL_CASES: dict[str, tuple[dict, str, int, int]] = {
     "gaussian, quickstart setting (N = 10 000, q = 0.05, T = 80)": (

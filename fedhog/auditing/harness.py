@@ -59,12 +59,12 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from .. import protocol
 from ..config import RunConfig
 from ..dpsgd import DpSgdSettings
-from ..privacy import mechanism as mechanisms  # module attributes, looked up at call time
+from ..privacy import mechanism as mechanisms  # looked up at each call, as aggregate() looks up its own
+from ..privacy.audit.attacks import Observation
 from ..privacy.mechanism import CLIP_GUARD
 from ..privacy.randomness import PrivacyRandomness, client_bits, standard_normal
 from ..privacy.sampling import sample_cohort
 from ..strategy import ClientResult, RoundRecord, SecureAggregator
-from ..privacy.audit.attacks import Observation
 
 ARRAY_KEY = "canaries"
 SQRT_HALF = math.sqrt(0.5)
