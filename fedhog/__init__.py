@@ -1,6 +1,7 @@
 """fedhog: federated learning with higher-order differential-privacy mixing.
 
-``fedhog.run(config, **overrides)`` runs one training from Python (:func:`fedhog.api.run`).
+``fedhog.run(config, **overrides)`` runs one training from Python (:func:`fedhog.api.run`);
+``fedhog.audit(config, **options)`` audits its mechanism (:func:`fedhog.auditing.runner.audit`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ except PackageNotFoundError:  # imported from a checkout that was never installe
 
 if TYPE_CHECKING:
     from .api import RunResult
+    from .auditing.runner import AuditResult
 
 
 def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, verbose: bool = False,
@@ -23,3 +25,10 @@ def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = Fal
     from .api import run as run_api  # torch and Flower load when a run starts, not on `import fedhog`
 
     return run_api(config, engine=engine, overwrite=overwrite, verbose=verbose, **overrides)
+
+
+def audit(config: Any = None, **options: Any) -> AuditResult:
+    """An empirical lower bound on the ε of a config's mechanism, next to the accounted ε (see :func:`fedhog.auditing.runner.audit`)."""
+    from .auditing.runner import audit as run_audit  # torch and Flower load when an audit starts
+
+    return run_audit(config, **options)

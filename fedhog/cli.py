@@ -1,5 +1,6 @@
 """The ``fedhog`` command: ``fedhog run | deploy-local [CONFIG.toml] [--set key=value ...]``,
-``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``, ``fedhog keys``."""
+``fedhog export RESULTS``, ``fedhog sweep SWEEP.toml``, ``fedhog keys``,
+``fedhog audit [CONFIG.toml] [--set key=value ...]``."""
 
 from __future__ import annotations
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--threads", type=int, default=1, help="PyTorch threads while cells run (default: 1)")
     keys = commands.add_parser("keys", help="list every run-config key with its default and meaning")
     keys.add_argument("word", nargs="?", help="only the keys whose name or meaning contains this word")
+    _add_audit_parser(commands)
     return parser
 
 
@@ -150,6 +152,73 @@ def keys_command(word: str | None = None) -> int:
     return 0
 
 
+def _add_audit_parser(commands: argparse._SubParsersAction) -> None:
+    audit = commands.add_parser("audit", help="an empirical lower bound on ε: run the config's mechanism with "
+                                "canaries and print what an attacker proved next to the accounted ε")
+    audit.add_argument("config", nargs="?", help="run-config TOML (default: fedhog's quickstart)")
+    audit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one config key (repeatable), as for fedhog run")
+    audit.add_argument("--json", action="store_true", help="print one JSON object (and nothing else)")
+    audit.add_argument("--runs", type=int, default=None, help="independent runs (default: 4)")
+    audit.add_argument("--canaries", type=int, default=0,
+                       help="canaries per run (default: 100 000 on the vectorized harness, else the population "
+                       "up to 2 000)")
+    audit.add_argument("--confidence", type=float, default=None, help="confidence of the lower bound (default 0.95)")
+    audit.add_argument("--threat-model", choices=("every-round", "final-model"), default="every-round",
+                       help="the attacker epsilon_lower_bound reports (both are computed)")
+    audit.add_argument("--harness", choices=("vectorized", "strategy"), default="vectorized",
+                       help="trusted-server configs: the round batched over all canaries (vectorized), or the "
+                       "strategy's own round loop, one reply per canary (strategy)")
+    audit.add_argument("--canary-norm", type=float, default=None,
+                       help="a canary's update length in clipping norms (default 100)")
+    audit.add_argument("--output", help="results folder (default: the config's results-dir, else results/<time>)")
+
+
+def audit_command(args: argparse.Namespace) -> int:
+    """``fedhog audit``: run :func:`fedhog.auditing.runner.audit` and print its figures (or ``--json``)."""
+    import json
+
+    from .auditing import runner
+
+    options: dict[str, Any] = {"canaries": args.canaries, "threat_model": args.threat_model,
+                               "harness_name": args.harness}
+    for name, value in (("runs", args.runs), ("confidence", args.confidence), ("canary_norm", args.canary_norm)):
+        if value is not None:
+            options[name] = value
+    try:
+        overrides = dict(parse_override(o) for o in args.overrides)
+        path = Path(args.config) if args.config else None
+        if path is None:
+            with as_file(files("fedhog") / QUICKSTART) as quickstart:
+                config = load_config(quickstart, overrides)
+        else:
+            config = load_config(path, overrides)
+        output = args.output or config.results_dir or str(default_results_dir())
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+        result = runner.audit(config, results_dir=output, **options)
+    except ConfigError as error:
+        _error("config error", error)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    table = Table(title=f"fedhog audit: {result.mechanism}", show_header=False)
+    table.add_row("accounted", f"ε = {format_value(result.epsilon_accounted)} at δ = {result.delta:g}")
+    for model, outcome in result.threat_models.items():
+        table.add_row(f"lower bound, {model}", f"ε ≥ {outcome.epsilon_lower_bound:.3f} at {result.confidence:.0%} "
+                      f"confidence ({outcome.statistic}: {outcome.hits}/{outcome.hit_trials} flagged vs "
+                      f"{outcome.false_alarms}/{outcome.false_trials})")
+        table.add_row(f"estimate, {model}", f"ε ≈ {outcome.epsilon_estimate_gdp:.3f} (μ-GDP fit, "
+                      f"μ = {outcome.gdp_mu_estimate:.3f}; not a bound)")
+    table.add_row("trials", f"{result.runs} runs × {result.canaries_per_run} canaries, {result.rounds} rounds, "
+                  f"q = {result.inclusion_rate:g}, {result.relation}, {result.harness} harness")
+    table.add_row("verdict", "[bold red]VIOLATED: the attack proves more ε than the accountant reports[/]"
+                  if result.violated else "consistent with the accountant (a lower bound proves no guarantee)")
+    table.add_row("results", escape(result.results_dir))
+    Console().print(table)
+    return 1 if result.violated else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
@@ -161,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_command(args.config, args.output, args.list_only, args.threads)
     if args.command == "export":
         return export_command(args.results, args.fmt, args.out)
+    if args.command == "audit":
+        return audit_command(args)
     with interrupts.handled():  # Ctrl-C and SIGTERM unwind the run in this thread, wherever it is
         try:
             config, launch = _prepare(args)
