@@ -24,8 +24,10 @@ MEANINGS: dict[str, str] = {
                                    'on'),
     'proxy-fraction': 'share of all examples the server holds apart as proxy data for a server-side step (server-step)',
     'population': 'N, number of clients (= SuperNodes)',
-    'model': ('logreg, mlp, cnn1d, cnn2d (tanh activations), or package.module:factory: your own, '
-              'called as factory(input_shape=…, num_classes=…)'),
+    'model': ('logreg, mlp, cnn1d, cnn2d (their activation: the activation key), or package.module:factory: '
+              'your own, called as factory(input_shape=…, num_classes=…)'),
+    'activation': ("the built-in models' activation: gelu (default), silu, softplus, relu, or tanh (the models "
+                   'before this key; the noise saturates it under DP)'),
     'local-epochs': "local training: epochs over the client's data per round",
     'batch-size': 'local training: batch size',
     'learning-rate': "local training: the client's learning rate",
