@@ -126,6 +126,7 @@ class ClientLevelAccountant:
         self._event: GaussianPrivacyEvent | None = None
         self.releases = 0
         self._noise_values: tuple[float, int] | None = None  # (std in lattice steps, values drawn a release)
+        self._projections: dict[int, float] = {}  # ε after n releases of the round's (fixed) event
         if has_guarantee and noise_multiplier > 0:
             self._backend = new_backend(privacy_config(sampling, population, delta), self.method)
             self._event = GaussianPrivacyEvent(
@@ -190,7 +191,9 @@ class ClientLevelAccountant:
 
     def _projected(self, releases: int) -> float:
         """ε after ``releases`` releases of the round's event (RDP: one composition with that count, in constant time;
-        Flower's would_exceed replays every event)."""
+        Flower's would_exceed replays every event). Remembered: the run's start asks for the planned rounds twice."""
+        if releases in self._projections:
+            return self._projections[releases]
         if self.method == "pld":
             from .pld import PldAccountant
 
@@ -199,7 +202,8 @@ class ClientLevelAccountant:
         else:
             projected = RdpAccountant(self._backend.config)
         projected.compose(self._event, count=releases)
-        return projected.get_epsilon(self.delta)
+        self._projections[releases] = projected.get_epsilon(self.delta)
+        return self._projections[releases]
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""
