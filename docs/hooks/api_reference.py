@@ -72,7 +72,8 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     modules = _modules(_root(config))
-    rows = [f"| [`{name}`]({name}.md) | {_summary(path).replace(PIPE, ESCAPED_PIPE)} |" for name, path in modules.items()]
+    rows = [f"| [`{name}`]({name}.md) | {_summary(path).replace(PIPE, ESCAPED_PIPE)} |"
+            for name, path in modules.items()]
     index = "\n".join([
         "# API reference", "",
         f"Generated at build time from the docstrings of every module of `{PACKAGE}` "
