@@ -9,14 +9,17 @@ fedhog); ``reference/index.md`` lists every module with the first line of its do
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 
 PACKAGE = "fedhog"
 NAV_TITLE = "API reference"
 INDEX = "reference/index.md"
+ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|exc|data|obj):<code>~?")  # Sphinx's :func:`x`, as rendered
 PIPE, ESCAPED_PIPE = "|", "\\|"  # a docstring's | would end the table cell
 
 
@@ -83,3 +86,10 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     for name in modules:
         files.append(File.generated(config, _page(name), content=f"# `{name}`\n\n::: {name}\n"))
     return files
+
+
+def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Docstrings written in Sphinx's markup: ``:func:`x``` shows as ``x``, a literal block's ``::`` as ``:``."""
+    if not page.file.src_uri.startswith("reference/"):
+        return html
+    return ROLE.sub("<code>", html).replace("::</p>", ":</p>")
