@@ -22,6 +22,9 @@ A sweep file is TOML::
     [tune.grid]                                   # by the server's validation accuracy (never the test set)
     clipping-norm = [0.3, 1.0]
 
+    [audit]                                       # optional: audit each variant's mechanism per condition
+    canaries = 100000                             # (fedhog audit's runs, canaries, confidence, canary-norm)
+
 A cell is one combination of the grid values with one variant (the grid alone
 when there are no variants). A variant may set a condition key of the grid
 (``target-epsilon = 0.0`` for a no-DP ceiling): it then runs once per value of
@@ -35,6 +38,14 @@ keys for every (variant, condition) on the tuning seeds (``output/tuning/``),
 chooses per (variant, condition) the one with the best mean
 ``validation_accuracy`` over the last rounds (:func:`.runner.apply_tuning`),
 and runs the cells with it.
+
+**Auditing.** With ``[audit]`` the sweep, after its cells, runs ``fedhog
+audit`` on every variant's mechanism (those with a DP guarantee, or the
+``variants`` listed) per condition, with fresh noise (never the pairing
+seed), into ``output/audit/<variant>__<condition>/`` (:mod:`.audit`); an
+audit whose config and options are unchanged is not rerun. ``summary.md``
+then has a "Privacy audit" section: the ε lower bounds next to the accounted
+ε, the μ-GDP estimate, a verdict and the score distributions.
 
 **Pairing.** Cells with the same ``seed`` share the data, the partition, the
 model initialisation and the clients' shuffling and directions. Unless the
@@ -56,6 +67,7 @@ seeds per variant and condition, and the paired comparisons), and the plots
 
 **Parts**, imports pointing down: :mod:`.runner` (cells, resuming, ``results.csv``;
 torch and Flower) → :mod:`.report` (``summary.md``) and :mod:`.plots` (matplotlib)
+→ :mod:`.audit` (the ``[audit]`` runs, stored; the auditor imported only to run one)
 → :mod:`.stats` (paired statistics; numpy, scipy) and :mod:`.spec` (the sweep file
 and its cells). The names below are imported from their part on first use, so
 ``import fedhog.sweep.spec`` loads no runner.

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import ConfigError, RunConfig, load_config
 from ..progress import console, read_metrics_file
+from .audit import collect_audits, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
 from .report import summary_markdown, tuning_markdown
 from .spec import Cell, Sweep, SweepError, load_sweep
@@ -67,7 +68,7 @@ def _finished_metrics(cell: Cell) -> dict[str, Any] | None:
 
 
 def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> SweepOutcome:
-    """Run every unfinished cell, one after the other, then write the reports.
+    """Run every unfinished cell, one after the other, then the ``[audit]`` not yet done, then write the reports.
 
     A cell that raises is reported and the sweep goes on; Ctrl-C stops the
     sweep, leaving finished cells intact (the interrupted one is rerun next time).
@@ -94,6 +95,8 @@ def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> Swe
                    ran, skipped, failed)
         sweep = apply_tuning(sweep)
     _run_cells(sweep, list(sweep.cells), "cells", show_progress, threads, ran, skipped, failed)
+    with _quiet_flower(), _torch_threads(threads):
+        ran.extend(f"audit/{name}" for name in run_audits(sweep, failed))
     comparisons = write_reports(sweep)
     return SweepOutcome(tuple(ran), tuple(sorted(skipped)), failed, tuple(comparisons))
 
@@ -318,14 +321,14 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def write_reports(sweep: Sweep) -> list[PairedComparison]:
-    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells; return the comparisons."""
+    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells and audits; return the comparisons."""
     sweep.output.mkdir(parents=True, exist_ok=True)
     rows = collect_rows(sweep)
     write_csv(rows, sweep.output / "results.csv")
     in_every_condition = sweep.broadcast(rows)
     comparisons = paired_comparisons(in_every_condition, sweep.paired, sweep.condition_keys, sweep.replicate_keys,
                                      sweep.metric)
-    (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons))
+    (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons, collect_audits(sweep)))
     plot_accuracy_vs_round(in_every_condition, sweep.condition_keys, sweep.output / "accuracy_vs_round.png",
                            sweep.metric)
     plot_accuracy_vs_epsilon(rows, sweep.condition_keys, sweep.output / "accuracy_vs_epsilon.png", sweep.metric)

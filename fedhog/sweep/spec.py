@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -14,8 +15,10 @@ import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 
-SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune")
+SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune", "audit")
 TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds")
+AUDIT_KEYS = ("runs", "canaries", "confidence", "canary-norm", "variants")
+MAX_AUDIT_CANARIES = 2_000_000  # the vectorized harness's limit; the other harnesses' are lower (the audit says)
 SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
 RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
 REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
@@ -97,6 +100,40 @@ class Trial:
 
 
 @dataclass(frozen=True)
+class AuditOptions:
+    """The ``[audit]`` table: every variant's mechanism audited per condition after the cells (``fedhog audit``).
+
+    Attributes
+    ----------
+    runs, canaries, confidence, canary_norm
+        As :func:`fedhog.audit` takes them (``canaries`` 0: the harness's default).
+    variants : tuple of str
+        The variants audited; empty: every variant with a DP guarantee.
+    """
+
+    runs: int = 1
+    canaries: int = 0
+    confidence: float = 0.95
+    canary_norm: float = 100.0
+    variants: tuple[str, ...] = ()
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The options as the ``[audit]`` table writes them (what a stored audit is compared with)."""
+        return {"runs": self.runs, "canaries": self.canaries, "confidence": self.confidence,
+                "canary-norm": self.canary_norm, "variants": list(self.variants)}
+
+
+@dataclass(frozen=True)
+class AuditTarget:
+    """One audited (variant, condition): the mechanism of its cells, with fresh noise."""
+
+    audit_id: str
+    variant: str
+    condition: tuple[tuple[str, Any], ...]
+    config: RunConfig  # the condition's cell config with privacy-seed = -1 (never the pairing seed)
+
+
+@dataclass(frozen=True)
 class Sweep:
     """A validated sweep file and its cells."""
 
@@ -111,6 +148,7 @@ class Sweep:
     tuning: Tuning | None = None
     trials: tuple[Trial, ...] = ()
     choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] | None = None
+    audit: AuditOptions | None = None
 
     def tuned(self, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]]) -> "Sweep":
         """This sweep with every cell using the values chosen for its (variant, condition)."""
@@ -121,6 +159,24 @@ class Sweep:
     def metric(self) -> str:
         """The test metric the report compares: the first of the cells' ``metrics`` (``accuracy`` by default)."""
         return self.cells[0].config.metrics.split(",")[0].strip() if self.cells else "accuracy"
+
+    @property
+    def audit_targets(self) -> list[AuditTarget]:
+        """One per (variant, condition) that ``[audit]`` audits, from its first cell (the tuned one after tuning).
+
+        The audit draws fresh noise (privacy-seed = -1) and ignores the data: seed and results-dir are reset.
+        """
+        if self.audit is None:
+            return []
+        targets: dict[tuple[str, tuple[tuple[str, Any], ...]], AuditTarget] = {}
+        for cell in self.cells:
+            wanted = (not self.audit.variants or cell.variant in self.audit.variants) and has_guarantee(cell.config)
+            condition = tuple((k, cell.overrides[k]) for k in self.condition_keys if k in cell.overrides)
+            if wanted and (cell.variant, condition) not in targets:
+                config = replace(cell.config, privacy_seed=-1, seed=RunConfig.seed, results_dir="")
+                targets[(cell.variant, condition)] = AuditTarget(
+                    cell_id_of(cell.variant, dict(condition)), cell.variant, condition, config)
+        return list(targets.values())
 
     @property
     def replicate_keys(self) -> list[str]:
@@ -209,7 +265,8 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
                          "'metrics' in [base], not per variant or grid value")
     tuning = _tuning(document["tune"], base, grid, variants) if "tune" in document else None
     trials = tuple(expand_trials(base, grid, variants, tuning, directory)) if tuning else ()
-    return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials)
+    audit = _audit(document["audit"], cells) if "audit" in document else None
+    return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials, audit=audit)
 
 
 def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
@@ -343,6 +400,51 @@ def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
         raise SweepError(f"[tune] rounds={rounds!r} is not allowed; expected 0 (as long as the cells) or an "
                          f"integer ≥ last-rounds ({last_rounds})")
     return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds)
+
+
+def has_guarantee(config: RunConfig) -> bool:
+    """Whether the config's release has a DP guarantee (an accounted ε < ∞) for an audit to test."""
+    if config.client_dp == "dpsgd":
+        return True
+    return config.mechanism != "none" and (config.target_epsilon > 0 or config.noise_multiplier > 0)
+
+
+def _audit(raw: Any, cells: Sequence[Cell]) -> AuditOptions:
+    if not isinstance(raw, dict):
+        raise SweepError(f"'audit' must be a table ([audit]), got {raw!r}")
+    for key in raw:
+        if key not in AUDIT_KEYS:
+            raise SweepError(f"[audit]: {unknown_key_message(key, AUDIT_KEYS, 'key')}")
+    defaults = AuditOptions()
+
+    def number(key: str, ok: Any, expected: str, integer: bool = False) -> Any:
+        value = raw.get(key, getattr(defaults, key.replace("-", "_")))
+        kind = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not kind or not ok(value):
+            raise SweepError(f"[audit] {key}={value!r} is not allowed; expected {expected}")
+        return value
+
+    runs = number("runs", lambda v: v >= 1, "an integer ≥ 1", integer=True)
+    canaries = number("canaries", lambda v: v == 0 or 2 <= v <= MAX_AUDIT_CANARIES,
+                      f"0 (the harness's default) or an integer in 2..{MAX_AUDIT_CANARIES}", integer=True)
+    confidence = number("confidence", lambda v: 0 < v < 1, "a number in (0, 1)")
+    canary_norm = number("canary-norm", lambda v: math.isfinite(v) and v > 0,
+                         "a finite number > 0 (a canary's update length in units of C)")
+    names = list(dict.fromkeys(cell.variant for cell in cells))
+    guaranteed = [n for n in names if any(has_guarantee(c.config) for c in cells if c.variant == n)]
+    variants = raw.get("variants", [])
+    if not (isinstance(variants, list) and all(isinstance(v, str) for v in variants)):
+        raise SweepError(f"[audit] variants={variants!r} is not allowed; expected a list of variant names "
+                         f"({', '.join(guaranteed) or 'none has a DP guarantee'})")
+    for name in variants:
+        if name not in names:
+            raise SweepError(f"[audit] variants: no variant '{name}'; variants: {', '.join(names)}")
+        if name not in guaranteed:
+            raise SweepError(f"[audit] variants: variant '{name}' has no DP guarantee (ε = ∞): nothing to audit; "
+                             f"expected variants with one: {', '.join(guaranteed) or 'none'}")
+    if not variants and not guaranteed:
+        raise SweepError("[audit]: no variant has a DP guarantee (ε = ∞ everywhere): nothing to audit")
+    return AuditOptions(runs, canaries, float(confidence), float(canary_norm), tuple(variants))
 
 
 def _tune_grid(where: str, table: dict[str, Any], base: dict[str, Any], grid: dict[str, list[Any]]
