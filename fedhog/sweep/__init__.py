@@ -19,6 +19,7 @@ A sweep file is TOML::
 
     [tune]                                        # optional: choose keys per variant and condition first
     seeds = [100]                                 # on these data seeds (not the grid's),
+    widen = 2                                     # optional: values a key may be extended by past its edge
     [tune.grid]                                   # by the server's validation accuracy (never the test set)
     clipping-norm = [0.3, 1.0]
 
@@ -37,7 +38,11 @@ comes from the variant's name and the grid values, and its run goes to
 keys for every (variant, condition) on the tuning seeds (``output/tuning/``),
 chooses per (variant, condition) the one with the best mean
 ``validation_accuracy`` over the last rounds (:func:`.runner.apply_tuning`),
-and runs the cells with it.
+and runs the cells with it. A numeric key whose chosen value is the smallest
+or largest tried is widened one step past it (geometric for positive values:
+0.1, 0.3 → 0.9), the new value tried with every value of the other keys, until
+the choice is inside or ``[tune] widen`` values (default 2) were added;
+``tuning.md`` says which choices still sit on an edge, and why.
 
 **Auditing.** With ``[audit]`` the sweep, after its cells, runs ``fedhog
 audit`` on every variant's mechanism (those with a DP guarantee, or the

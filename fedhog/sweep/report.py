@@ -10,7 +10,7 @@ import numpy as np
 
 from ..progress import format_value
 from .audit import AuditRow
-from .spec import Sweep, format_grid_value
+from .spec import Sweep, format_grid_value, widening_trials
 from .stats import (PairedComparison, TrialScore, choice_stability, final_rows, group_rows, mean_std,
                     setting_scores)
 
@@ -122,7 +122,10 @@ def _tuning_sentence(sweep: Sweep) -> str:
             + (f"; tuning runs stop after {tuning.rounds} rounds, at the noise multiplier calibrated for the cells' "
                "full horizon" if tuning.rounds else "")
             + f". Grid: {'; '.join(grids) or '–'}"
-            + (f"; per variant: {'; '.join(own)}" if own else "") + ".")
+            + (f"; per variant: {'; '.join(own)}" if own else "")
+            + (f"; a numeric key whose choice sits on the edge of the values tried is widened one step past it, up "
+               f"to {tuning.widen} values ([tune] widen)" if tuning.widen else "; not widened ([tune] widen = 0)")
+            + ".")
 
 
 def _choices_of(grid: dict[str, list[Any]]) -> str:
@@ -139,18 +142,40 @@ def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tu
         lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
                            ", ".join(f"{k} = {format_grid_value(v)}" for k, v in setting), str(n), _num(score),
                            "✔" if chosen else ""]))
+    _, stuck = widening_trials(sweep, scores, choices)
+    assert sweep.tuning is not None
     lines += ["", "## How stable each choice is", "",
               "Seeds agreeing: of the tuning seeds, how many would have chosen the same setting alone. Margin: the "
               "chosen setting's mean validation accuracy minus the runner-up's (a margin within the seeds' spread "
-              "is a coin toss). On the edge: a numeric key whose chosen value is the smallest or largest tried — "
-              "a wider grid may do better; widen it and run the sweep again (finished runs are kept).", "",
-              *_header(["variant", "condition", "chosen", "seeds agreeing", "margin", "on the edge"])]
+              "is a coin toss). Widened: the values tried past the grid, one step at a time (geometric for "
+              f"positive values), while the choice sat on the edge, up to {sweep.tuning.widen} a key "
+              "([tune] widen). On the edge: a numeric key whose chosen value is still the smallest or largest "
+              "tried, and why it was not widened further — a wider grid may do better; widen it and run the "
+              "sweep again (finished runs are kept).", "",
+              *_header(["variant", "condition", "chosen", "seeds agreeing", "margin", "widened", "on the edge"])]
     for (variant, condition), stability in choice_stability(scores, choices).items():
         chosen_text = ", ".join(f"{k} = {format_grid_value(v)}" for k, v in choices[(variant, condition)].items())
+        edges = [f"{key} ({stuck[(variant, condition, key)]})" if (variant, condition, key) in stuck else key
+                 for key in stability.on_edge]
         lines.append(_row([variant, ", ".join(f"{k} = {format_grid_value(v)}" for k, v in condition) or "–",
                            chosen_text, f"{stability.seeds_agreeing} of {stability.seeds}",
-                           _num(stability.margin), ", ".join(stability.on_edge) or "–"]))
+                           _num(stability.margin), _widened(sweep, variant, condition) or "–",
+                           "; ".join(edges) or "–"]))
     return "\n".join(lines) + "\n"
+
+
+def _widened(sweep: Sweep, variant: str, condition: tuple) -> str:
+    """``key: v1, v2`` for the values of each key tried past the grid for this (variant, condition)."""
+    assert sweep.tuning is not None
+    grid = sweep.tuning.grid_for(sweep.variant_named(variant))
+    added: dict[str, list[Any]] = {}
+    for trial in sweep.trials:
+        if (trial.cell.variant, trial.condition) == (variant, condition):
+            for key, value in trial.setting:
+                if value not in grid[key] and value not in added.setdefault(key, []):
+                    added[key].append(value)
+    return "; ".join(f"{key}: {', '.join(format_grid_value(v) for v in values)}" for key, values in added.items()
+                     if values)
 
 
 def _row(cells: Sequence[str]) -> str:

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
+from .stats import TrialScore, beyond_edge, choice_stability
 
 SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune", "audit")
-TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds")
+TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds", "widen")
+MAX_WIDEN = 10  # values a tuned key may be extended by past its grid
 AUDIT_KEYS = ("runs", "canaries", "confidence", "canary-norm", "variants")
 MAX_AUDIT_CANARIES = 2_000_000  # the vectorized harness's limit; the other harnesses' are lower (the audit says)
 SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
@@ -75,6 +77,9 @@ class Tuning:
     rounds : int
         0: a tuning run is as long as a cell. Otherwise it stops after this many rounds, with the noise
         multiplier calibrated for the cell's full horizon (the same noise per round as the cell it tunes).
+    widen : int
+        How many values a numeric key may be extended by past its grid, one step at a time, while the chosen
+        value sits on the edge of those tried (:func:`widening_trials`); 0: never.
     """
 
     grid: dict[str, list[Any]]
@@ -82,6 +87,7 @@ class Tuning:
     seeds: tuple[int, ...]
     last_rounds: int = 5
     rounds: int = 0
+    widen: int = 2
 
     def grid_for(self, variant: dict[str, Any] | None) -> dict[str, list[Any]]:
         """The keys tuned for a variant: the shared grid and its own, less the keys it sets itself."""
@@ -159,6 +165,10 @@ class Sweep:
     def metric(self) -> str:
         """The test metric the report compares: the first of the cells' ``metrics`` (``accuracy`` by default)."""
         return self.cells[0].config.metrics.split(",")[0].strip() if self.cells else "accuracy"
+
+    def variant_named(self, name: str) -> dict[str, Any] | None:
+        """The ``[[variants]]`` table of that name (None in a sweep without variants)."""
+        return next((v for v in self.variants if v["name"] == name), None)
 
     @property
     def audit_targets(self) -> list[AuditTarget]:
@@ -318,19 +328,72 @@ def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Se
             condition = dict(zip(variant_conditions, condition_values))
             for setting_values in itertools.product(*tuned.values()):
                 setting = dict(zip(tuned, setting_values))
-                for seed in tuning.seeds:
-                    mapping = {**base, **keys, **setting, **condition, "seed": seed}
-                    name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
-                    cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
-                    config = _cell_config(cell_id, mapping, output / "tuning")
-                    if tuning.rounds:
-                        config = _cell_config(cell_id, _shortened(mapping, config, tuning.rounds), output / "tuning")
-                    if config.server_validation_fraction == 0:
-                        raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
-                                         "never the test set: set server-validation-fraction > 0 in [base]")
-                    trials.append(Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
-                                        tuple(condition.items()), tuple(setting.items())))
+                trials += [trial_of(base, variant, condition, setting, seed, tuning, output) for seed in tuning.seeds]
     return trials
+
+
+def trial_of(base: dict[str, Any], variant: dict[str, Any] | None, condition: dict[str, Any],
+             setting: dict[str, Any], seed: int, tuning: Tuning, output: Path) -> Trial:
+    """One tuning run of a variant in a condition with a setting of its tuned keys, on a tuning seed."""
+    keys = {k: v for k, v in (variant or {}).items() if k != "name"}
+    mapping = {**base, **keys, **setting, **condition, "seed": seed}
+    name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
+    cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
+    config = _cell_config(cell_id, mapping, output / "tuning")
+    if tuning.rounds:
+        config = _cell_config(cell_id, _shortened(mapping, config, tuning.rounds), output / "tuning")
+    if config.server_validation_fraction == 0:
+        raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
+                         "never the test set: set server-validation-fraction > 0 in [base]")
+    return Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
+                 tuple(condition.items()), tuple(setting.items()))
+
+
+def widening_trials(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tuple[str, tuple], dict[str, Any]]
+                    ) -> tuple[list[Trial], dict[tuple[str, tuple, str], str]]:
+    """The tuning trials of a grid widened past each choice on its edge, and why an edge is not widened.
+
+    For every (variant, condition): each numeric tuned key whose chosen value is the smallest or largest
+    tried (:func:`.stats.choice_stability`) gets the value one step further (:func:`.stats.beyond_edge`), up
+    to ``[tune] widen`` values past its grid; the trials are the widened grid's settings not yet tried (all
+    combinations with the other keys' values, so the grid stays a grid), on every tuning seed. The reasons
+    are keyed by (variant, condition, key).
+    """
+    tuning = sweep.tuning
+    assert tuning is not None
+    trials: list[Trial] = []
+    stuck: dict[tuple[str, tuple, str], str] = {}
+    known = {(t.cell.variant, t.condition, t.setting) for t in sweep.trials}
+    for (name, condition), stability in choice_stability(scores, choices).items():
+        chosen, variant = choices[(name, condition)], sweep.variant_named(name)
+        grid = tuning.grid_for(variant)
+        tried = {key: list(dict.fromkeys(dict(t.setting)[key] for t in sweep.trials
+                                         if (t.cell.variant, t.condition) == (name, condition))) for key in grid}
+        widened = {key: list(values) for key, values in tried.items()}
+        for key in stability.on_edge:
+            value = beyond_edge(tried[key], chosen[key])
+            if len([v for v in tried[key] if v not in grid[key]]) >= tuning.widen:
+                stuck[(name, condition, key)] = (f"still on the edge after {tuning.widen} widening"
+                                                 f"{'s' if tuning.widen > 1 else ''} ([tune] widen, the limit)"
+                                                 if tuning.widen else "not widened ([tune] widen = 0)")
+                continue
+            if value is None:
+                stuck[(name, condition, key)] = "the runs past it did not finish"
+                continue
+            try:
+                trial_of(sweep.base, variant, dict(condition), {**chosen, key: value}, tuning.seeds[0], tuning,
+                         sweep.output)
+            except SweepError as error:
+                stuck[(name, condition, key)] = (f"the next value {key} = {format_grid_value(value)} "
+                                                 f"is refused: {error}")
+                continue
+            widened[key].append(value)
+        for values in itertools.product(*widened.values()):
+            setting = dict(zip(widened, values))
+            if (name, condition, tuple(setting.items())) not in known:
+                trials += [trial_of(sweep.base, variant, dict(condition), setting, seed, tuning, sweep.output)
+                           for seed in tuning.seeds]
+    return trials, stuck
 
 
 def _shortened(mapping: dict[str, Any], full: RunConfig, rounds: int) -> dict[str, Any]:
@@ -399,7 +462,11 @@ def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= last_rounds) and rounds != 0:
         raise SweepError(f"[tune] rounds={rounds!r} is not allowed; expected 0 (as long as the cells) or an "
                          f"integer ≥ last-rounds ({last_rounds})")
-    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds)
+    widen = raw.get("widen", Tuning.widen)
+    if not (isinstance(widen, int) and not isinstance(widen, bool) and 0 <= widen <= MAX_WIDEN):
+        raise SweepError(f"[tune] widen={widen!r} is not allowed; expected an integer in 0..{MAX_WIDEN} (how many "
+                         "values past its grid a key may be extended by while the choice sits on the edge)")
+    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds, widen)
 
 
 def has_guarantee(config: RunConfig) -> bool:
