@@ -64,7 +64,7 @@ def audits(monkeypatch):
     return calls
 
 
-def test_a_broken_mechanism_is_reported_over_its_epsilon(tmp_path, monkeypatch, audits):
+def test_a_broken_mechanism_is_reported_over_its_epsilon(tmp_path, monkeypatch, audits, capsys):
     """No clipping, put in by the test only: the summary flags the mechanism as broken, with its plot."""
     real = mechanism.constrain_sensitivity
 
@@ -73,8 +73,12 @@ def test_a_broken_mechanism_is_reported_over_its_epsilon(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(mechanism, "constrain_sensitivity", unclipped)
     sweep = _sweep(tmp_path)
+    assert sweep_runner.sweep_command(sweep.path, sweep.output, list_only=True) == 0
+    assert "to run    audit/gaussian__noise-multiplier=1.0" in capsys.readouterr().err
     outcome = sweep_runner.run_sweep(sweep, show_progress=False)
     assert "audit/gaussian__noise-multiplier=1.0" in outcome.ran and len(audits) == 1  # no-dp has nothing to audit
+    sweep_runner.sweep_command(sweep.path, sweep.output, list_only=True)
+    assert "finished  audit/gaussian__noise-multiplier=1.0" in capsys.readouterr().err
     summary = (sweep.output / "summary.md").read_text()
     section = summary.split("## Privacy audit")[1]
     (row,) = [line for line in section.splitlines() if line.startswith("| gaussian |")]

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import ConfigError, RunConfig, load_config
 from ..progress import console, read_metrics_file
-from .audit import collect_audits, run_audits
+from .audit import collect_audits, is_audited, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
 from .report import summary_markdown, tuning_markdown
 from .spec import Cell, Sweep, SweepError, load_sweep, widening_trials
@@ -370,6 +370,9 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
             listed = sweep.tuned(tuning_choices(sweep)[1]) if sweep.tuning is not None else sweep  # writes nothing
             for cell in listed.cells:
                 console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {escape(cell.cell_id)}")
+            for target in listed.audit_targets:
+                console.print(f"{'finished' if is_audited(listed, target) else 'to run  '}  "
+                              f"audit/{escape(target.audit_id)}")
             return 0
         outcome = run_sweep(sweep, threads=threads)
     except ConfigError as error:  # a SweepError, or a stored config this fedhog cannot read
