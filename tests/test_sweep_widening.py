@@ -141,7 +141,7 @@ def test_real_tuning_runs_widen_the_grid_end_to_end(tmp_path, monkeypatch):
     assert set(scores) == {0.001, 0.01, 0.1} and scores[0.01] > scores[0.001]
     (chosen,) = tuned.choices.values()
     assert scores[chosen["learning-rate"]] == max(scores.values())
-    row = [line for line in (sweep.output / "tuning.md").read_text().split("## How stable")[1].splitlines()
-           if line.startswith("| gaussian |")][0]
+    row = next(line for line in (sweep.output / "tuning.md").read_text().split("## How stable")[1].splitlines()
+               if line.startswith("| gaussian |"))
     assert "learning-rate: 0.1" in row
     assert ("still on the edge after 1 widening" in row) == (chosen["learning-rate"] == 0.1)

@@ -170,7 +170,7 @@ def beyond_edge(tried: Sequence[Any], value: Any) -> Any:
     edge, neighbour = (values[-1], values[-2]) if value == values[-1] else (values[0], values[1])
     step = edge * edge / neighbour if values[0] > 0 else 2 * edge - neighbour
     if all(isinstance(v, int) for v in values):
-        rounded = int(round(step))
+        rounded = round(step)
         return rounded if rounded != edge else edge + (1 if edge > neighbour else -1)
     return float(f"{step:.12g}")
 
