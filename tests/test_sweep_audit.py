@@ -91,6 +91,16 @@ def test_a_broken_mechanism_is_reported_over_its_epsilon(tmp_path, monkeypatch, 
     assert plot.read_bytes().startswith(b"\x89PNG") and plot.stat().st_size < 150_000
 
 
+def test_the_real_mechanism_is_reported_within_its_epsilon(tmp_path, audits):
+    """The same sweep without the fault (the audit alone; real cells: the slow test below)."""
+    sweep = _sweep(tmp_path)
+    sweep_runner.run_sweep(sweep, show_progress=False)
+    section = (sweep.output / "summary.md").read_text().split("## Privacy audit")[1]
+    (row,) = [line for line in section.splitlines() if line.startswith("| gaussian |")]
+    accounted, every_round, final_model = (float(cell) for cell in row.split(" | ")[3:6])
+    assert "within its ε" in row and max(every_round, final_model) <= accounted
+
+
 @pytest.mark.slow  # two audits: ~7 s on a busy machine
 def test_the_audit_uses_fresh_noise_and_reruns_only_when_config_or_options_change(tmp_path, audits):
     sweep = _sweep(tmp_path)
@@ -107,7 +117,8 @@ def test_the_audit_uses_fresh_noise_and_reruns_only_when_config_or_options_chang
     assert len(audits) == 1  # unchanged: not rerun
     (target,) = sweep.audit_targets
     more_canaries = SWEEP.replace("canaries = 4000", "canaries = 5000")
-    for text in (more_canaries, SWEEP.replace("rounds = 3", "rounds = 2"), SWEEP.replace("[audit]", "[audit]\nruns = 2"),
+    for text in (more_canaries, SWEEP.replace("rounds = 3", "rounds = 2"),
+                 SWEEP.replace("[audit]", "[audit]\nruns = 2"),
                  SWEEP.replace('mechanism = "gaussian"', 'mechanism = "hog"')):
         changed = _sweep(tmp_path, text)
         assert not is_audited(changed, changed.audit_targets[0]), text

@@ -67,8 +67,11 @@ def is_audited(sweep: Sweep, target: AuditTarget) -> bool:
 def run_audits(sweep: Sweep, failed: dict[str, str]) -> list[str]:
     """Audit every target not audited with its current config and options; the ids audited.
 
-    An audit that raises is noted in ``failed`` (as ``audit/<id>``) and the others go on.
+    An audit that raises is noted in ``failed`` (as ``audit/<id>``; a refused option with the auditor's
+    message, which names the key, the value and what is allowed) and the others go on.
     """
+    from rich.markup import escape
+
     from ..auditing.runner import audit  # torch and Flower, only to run one
     from ..config import ConfigError
     from ..progress import console
@@ -80,21 +83,20 @@ def run_audits(sweep: Sweep, failed: dict[str, str]) -> list[str]:
     for target in sweep.audit_targets:
         if is_audited(sweep, target):
             continue
-        folder = directory_of(sweep, target)
+        folder, name = directory_of(sweep, target), f"audit/{target.audit_id}"
         shutil.rmtree(folder, ignore_errors=True)
-        request = request_of(target, sweep.audit)
-        options = sweep.audit
+        request, options = request_of(target, sweep.audit), sweep.audit
         try:
             result = audit(request["config"], runs=options.runs, canaries=options.canaries,
                            confidence=options.confidence, canary_norm=options.canary_norm, results_dir=folder)
-        except ConfigError as error:
-            failed[f"audit/{target.audit_id}"] = f"[audit] {error}"
-            console.print(f"[red]audit {target.audit_id} failed:[/] {error}")
+        except Exception as error:  # pylint: disable=broad-except  # one audit's fault; the others go on
+            failed[name] = f"[audit] {error}" if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+            console.print(f"[red]{escape(name)} failed:[/] {escape(failed[name])}")
             continue
         atomic_write(folder / AUDITED, (json.dumps(request, indent=2) + "\n").encode())
         done.append(target.audit_id)
         verdict = "[bold red]over its ε: broken[/]" if result.violated else "within its ε"
-        console.print(f"audit {target.audit_id}: ε ≥ {result.epsilon_lower_bound:.3g} ({result.threat_model}) "
+        console.print(f"{escape(name)}: ε ≥ {result.epsilon_lower_bound:.3g} ({result.threat_model}) "
                       f"against ε = {result.epsilon_accounted:.3g} accounted: {verdict}")
     return done
 

@@ -339,7 +339,7 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def write_reports(sweep: Sweep) -> list[PairedComparison]:
-    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells and audits; return the comparisons."""
+    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells and audits; the comparisons."""
     sweep.output.mkdir(parents=True, exist_ok=True)
     rows = collect_rows(sweep)
     write_csv(rows, sweep.output / "results.csv")

@@ -176,8 +176,8 @@ def gdp_epsilon(mu: float, delta: float) -> float:
 def gdp_estimate(scores: np.ndarray, labels: np.ndarray, decision: Decision, delta: float) -> tuple[float, float]:
     """(μ̂, ε(δ) of μ̂-GDP) of ``decision`` on these trials (held out from its choice): an estimate, not a bound.
 
-    μ̂ = Φ⁻¹(1 − FPR) − Φ⁻¹(1 − TPR) at the decision's own threshold, a rate of 0 or 1 read as half a trial
-    from the edge. Not the largest μ̂ over thresholds: over thousands of them the largest is a far-tail point
+    μ̂ = Φ⁻¹(1 − FPR) − Φ⁻¹(1 − TPR) at the decision's own threshold, a rate of 0 or 1 read as half a
+    trial from the edge. Not the largest μ̂ over thresholds: over thousands of them the largest is a far-tail point
     chosen for its luck, and a subsampled mechanism's trade-off curve is not Gaussian, so its tail's μ exceeds
     the μ of the test (``tests/test_audit.py`` shows the largest over-reading a mixture by more than 0.5).
     """
