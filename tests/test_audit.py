@@ -79,6 +79,38 @@ def test_the_bound_stays_below_the_true_epsilon_and_has_power():
     assert result.epsilon_estimate_gdp == pytest.approx(truth, rel=0.25)
 
 
+def test_the_gdp_estimate_is_read_at_the_tests_own_threshold_not_the_luckiest_one():
+    """A canary that moves its score by 2 one time in ten (subsampled: its trade-off curve is no Gaussian's).
+
+    At the test's threshold μ̂ is that threshold's exact μ; the largest μ̂ over thousands of thresholds (the old
+    rule) reads a far tail, more than 0.5 larger. The audit reads μ̂ with its chosen test on the held-out trials.
+    """
+    from scipy.special import ndtr, ndtri
+
+    rng = np.random.default_rng(11)
+    n, q, shift, threshold = 200_000, 0.1, 2.0, 1.0
+    labels = rng.random(n) < 0.5
+    scores = rng.standard_normal(n) + shift * (labels & (rng.random(n) < q))
+    mu, epsilon = bounds.gdp_estimate(scores, labels, bounds.Decision("s", 1, threshold), 1e-5)
+    fpr = ndtr(-threshold)
+    exact = ndtri(1 - fpr) - ndtri(1 - ((1 - q) * fpr + q * ndtr(shift - threshold)))
+    assert mu == pytest.approx(exact, abs=0.05) and epsilon == pytest.approx(bounds.gdp_epsilon(mu, 1e-5))
+    inside, outside = np.sort(scores[labels]), np.sort(scores[~labels])
+    candidates = np.quantile(scores, np.linspace(0, 1, 4000))
+    hits = len(inside) - np.searchsorted(inside, candidates)
+    falses = len(outside) - np.searchsorted(outside, candidates)
+    usable = (hits >= 100) & (falses >= 100)
+    largest = max(bounds.gdp_mu(h / len(inside), f / len(outside)) for h, f in zip(hits[usable], falses[usable]))
+    assert largest > mu + 0.5
+
+    observation = attacks.Observation(scores[None], np.zeros((1, n)), np.array([shift]), labels, 1.0, "add-remove")
+    result = runner.evaluate(observation, "final-model", 1e-5, 0.95)
+    held_out = np.arange(n) % runner.CALIBRATION_SHARE != 0
+    decision = bounds.Decision("final-sum", result.direction, result.threshold)
+    assert (result.gdp_mu_estimate, result.epsilon_estimate_gdp) == bounds.gdp_estimate(
+        scores[held_out], labels[held_out], decision, 1e-5)
+
+
 def test_the_bound_is_zero_when_nothing_leaks():
     rng = np.random.default_rng(8)
     scores, labels = _gaussian_trials(0.0, 50_000, rng)

@@ -376,6 +376,7 @@ learning-rate = 0.1
 [tune]
 seeds = [7]
 last-rounds = 2
+widen = 0  # the grid as given (widening: test_sweep_widening.py)
 [tune.grid]
 learning-rate = [0.001, 0.3]
 [tune.variants.hog]

@@ -202,7 +202,7 @@ def audit(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, r
 
 def evaluate(observation: attacks.Observation, threat_model: str, delta: float,
              confidence: float) -> ThreatModelResult:
-    """Choose the attacker's test on every 5th trial, bound ε with it on the others, estimate μ-GDP on all."""
+    """Choose the attacker's test on every 5th trial; bound ε and estimate μ-GDP with it on the others."""
     scores = attacks.statistics(observation, threat_model)
     labels = observation.labels
     index = np.arange(len(labels))
@@ -210,7 +210,7 @@ def evaluate(observation: attacks.Observation, threat_model: str, delta: float,
     decision = bounds.select_decision({k: v[calibration] for k, v in scores.items()}, labels[calibration],
                                       delta, confidence, len(held_out) / max(len(calibration), 1))
     bound = bounds.bound_of(scores[decision.statistic][held_out], labels[held_out], decision, delta, confidence)
-    mu, estimate = bounds.gdp_estimate(scores[decision.statistic], labels, decision, delta)
+    mu, estimate = bounds.gdp_estimate(scores[decision.statistic][held_out], labels[held_out], decision, delta)
     return ThreatModelResult(threat_model, bound.epsilon, decision.statistic, decision.direction,
                              decision.threshold, bound.hits, bound.hit_trials, bound.false_alarms,
                              bound.false_trials, mu, estimate)

@@ -19,8 +19,12 @@ A sweep file is TOML::
 
     [tune]                                        # optional: choose keys per variant and condition first
     seeds = [100]                                 # on these data seeds (not the grid's),
+    widen = 2                                     # optional: values a key may be extended by past its edge
     [tune.grid]                                   # by the server's validation accuracy (never the test set)
     clipping-norm = [0.3, 1.0]
+
+    [audit]                                       # optional: audit each variant's mechanism per condition
+    canaries = 100000                             # (fedhog audit's runs, canaries, confidence, canary-norm)
 
 A cell is one combination of the grid values with one variant (the grid alone
 when there are no variants). A variant may set a condition key of the grid
@@ -34,7 +38,19 @@ comes from the variant's name and the grid values, and its run goes to
 keys for every (variant, condition) on the tuning seeds (``output/tuning/``),
 chooses per (variant, condition) the one with the best mean
 ``validation_accuracy`` over the last rounds (:func:`.runner.apply_tuning`),
-and runs the cells with it.
+and runs the cells with it. A numeric key whose chosen value is the smallest
+or largest tried is widened one step past it (geometric for positive values:
+0.1, 0.3 → 0.9), the new value tried with every value of the other keys, until
+the choice is inside or ``[tune] widen`` values (default 2) were added;
+``tuning.md`` says which choices still sit on an edge, and why.
+
+**Auditing.** With ``[audit]`` the sweep, after its cells, runs ``fedhog
+audit`` on every variant's mechanism (those with a DP guarantee, or the
+``variants`` listed) per condition, with fresh noise (never the pairing
+seed), into ``output/audit/<variant>__<condition>/`` (:mod:`.audit`); an
+audit whose config and options are unchanged is not rerun. ``summary.md``
+then has a "Privacy audit" section: the ε lower bounds next to the accounted
+ε, the μ-GDP estimate, a verdict and the score distributions.
 
 **Pairing.** Cells with the same ``seed`` share the data, the partition, the
 model initialisation and the clients' shuffling and directions. Unless the
@@ -56,6 +72,7 @@ seeds per variant and condition, and the paired comparisons), and the plots
 
 **Parts**, imports pointing down: :mod:`.runner` (cells, resuming, ``results.csv``;
 torch and Flower) → :mod:`.report` (``summary.md``) and :mod:`.plots` (matplotlib)
+→ :mod:`.audit` (the ``[audit]`` runs, stored; the auditor imported only to run one)
 → :mod:`.stats` (paired statistics; numpy, scipy) and :mod:`.spec` (the sweep file
 and its cells). The names below are imported from their part on first use, so
 ``import fedhog.sweep.spec`` loads no runner.

@@ -9,7 +9,7 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,9 +21,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import ConfigError, RunConfig, load_config
 from ..progress import console, read_metrics_file
+from .audit import collect_audits, is_audited, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
 from .report import summary_markdown, tuning_markdown
-from .spec import Cell, Sweep, SweepError, load_sweep
+from .spec import Cell, Sweep, SweepError, load_sweep, widening_trials
 from .stats import PairedComparison, TrialScore, best_settings, paired_comparisons, validation_score
 
 
@@ -67,7 +68,7 @@ def _finished_metrics(cell: Cell) -> dict[str, Any] | None:
 
 
 def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> SweepOutcome:
-    """Run every unfinished cell, one after the other, then write the reports.
+    """Run every unfinished cell, one after the other, then the ``[audit]`` not yet done, then write the reports.
 
     A cell that raises is reported and the sweep goes on; Ctrl-C stops the
     sweep, leaving finished cells intact (the interrupted one is rerun next time).
@@ -90,10 +91,11 @@ def run_sweep(sweep: Sweep, show_progress: bool = True, threads: int = 1) -> Swe
     skipped: list[str] = []
     failed: dict[str, str] = {}
     if sweep.tuning is not None:
-        _run_cells(sweep, [trial.cell for trial in sweep.trials], "tuning runs", show_progress, threads,
-                   ran, skipped, failed)
-        sweep = apply_tuning(sweep)
+        sweep = apply_tuning(widen_tuning(sweep, lambda cells: _run_cells(
+            sweep, cells, "tuning runs", show_progress, threads, ran, skipped, failed)))
     _run_cells(sweep, list(sweep.cells), "cells", show_progress, threads, ran, skipped, failed)
+    with _quiet_flower(), _torch_threads(threads):
+        ran.extend(f"audit/{name}" for name in run_audits(sweep, failed))
     comparisons = write_reports(sweep)
     return SweepOutcome(tuple(ran), tuple(sorted(skipped)), failed, tuple(comparisons))
 
@@ -124,12 +126,31 @@ def _run_cells(sweep: Sweep, cells: list[Cell], what: str, show_progress: bool, 
             progress.finish(cell)
 
 
+def widen_tuning(sweep: Sweep, run: Callable[[list[Cell]], None] | None = None) -> Sweep:
+    """The sweep with its tuning grid widened past every choice on its edge (:func:`.spec.widening_trials`).
+
+    With ``run``, each round of trials is run before the next is chosen; without, the sweep grows only as far
+    as the finished trials tell (listing, reports), stopping at the first round that has unfinished trials.
+    """
+    while True:
+        if run is not None:
+            run([trial.cell for trial in sweep.trials])
+        elif not all(is_finished(trial.cell) for trial in sweep.trials):
+            return sweep
+        more, _ = widening_trials(sweep, *tuning_choices(sweep))
+        if not more:
+            return sweep
+        sweep = replace(sweep, trials=sweep.trials + tuple(more))
+
+
 def apply_tuning(sweep: Sweep) -> Sweep:
     """The sweep whose cells take, per (variant, condition), the tuned setting with the best validation score.
 
-    Writes ``tuning.md`` and ``tuning.csv`` (every setting's score) in the sweep's folder; raises
-    :class:`SweepError` as :func:`tuning_choices` does.
+    The grid is first widened as far as the finished trials tell (:func:`widen_tuning`). Writes ``tuning.md``
+    and ``tuning.csv`` (every setting's score) in the sweep's folder; raises :class:`SweepError` as
+    :func:`tuning_choices` does.
     """
+    sweep = widen_tuning(sweep)
     scores, choices = tuning_choices(sweep)
     sweep.output.mkdir(parents=True, exist_ok=True)
     (sweep.output / "tuning.md").write_text(tuning_markdown(sweep, scores, choices))
@@ -318,14 +339,14 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 def write_reports(sweep: Sweep) -> list[PairedComparison]:
-    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells; return the comparisons."""
+    """Write ``results.csv``, ``summary.md`` and the plots from the finished cells and audits; the comparisons."""
     sweep.output.mkdir(parents=True, exist_ok=True)
     rows = collect_rows(sweep)
     write_csv(rows, sweep.output / "results.csv")
     in_every_condition = sweep.broadcast(rows)
     comparisons = paired_comparisons(in_every_condition, sweep.paired, sweep.condition_keys, sweep.replicate_keys,
                                      sweep.metric)
-    (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons))
+    (sweep.output / "summary.md").write_text(summary_markdown(sweep, rows, comparisons, collect_audits(sweep)))
     plot_accuracy_vs_round(in_every_condition, sweep.condition_keys, sweep.output / "accuracy_vs_round.png",
                            sweep.metric)
     plot_accuracy_vs_epsilon(rows, sweep.condition_keys, sweep.output / "accuracy_vs_epsilon.png", sweep.metric)
@@ -338,6 +359,8 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
     try:
         sweep = load_sweep(path, output)
         if list_only:
+            if sweep.tuning is not None:
+                sweep = widen_tuning(sweep)
             for trial in sweep.trials:
                 console.print(f"{'finished' if is_finished(trial.cell) else 'to run  '}  tuning/"
                               f"{escape(trial.cell.cell_id)}")
@@ -347,6 +370,9 @@ def sweep_command(path: str | Path, output: str | Path | None = None, list_only:
             listed = sweep.tuned(tuning_choices(sweep)[1]) if sweep.tuning is not None else sweep  # writes nothing
             for cell in listed.cells:
                 console.print(f"{'finished' if is_finished(cell) else 'to run  '}  {escape(cell.cell_id)}")
+            for target in listed.audit_targets:
+                console.print(f"{'finished' if is_audited(listed, target) else 'to run  '}  "
+                              f"audit/{escape(target.audit_id)}")
             return 0
         outcome = run_sweep(sweep, threads=threads)
     except ConfigError as error:  # a SweepError, or a stored config this fedhog cannot read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -13,9 +14,13 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
+from .stats import TrialScore, beyond_edge, choice_stability
 
-SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune")
-TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds")
+SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune", "audit")
+TUNE_KEYS = ("grid", "variants", "seeds", "last-rounds", "rounds", "widen")
+MAX_WIDEN = 10  # values a tuned key may be extended by past its grid
+AUDIT_KEYS = ("runs", "canaries", "confidence", "canary-norm", "variants")
+MAX_AUDIT_CANARIES = 2_000_000  # the vectorized harness's limit; the other harnesses' are lower (the audit says)
 SWEEP_ENGINES = ("vectorized", "inprocess")  # both give the same results (tests/test_vectorized.py)
 RESERVED_KEYS = ("results-dir", "resume")  # set by the sweep for every cell
 REPLICATE_KEYS = ("seed", "privacy-seed")  # grid keys that repeat a condition rather than define one
@@ -72,6 +77,9 @@ class Tuning:
     rounds : int
         0: a tuning run is as long as a cell. Otherwise it stops after this many rounds, with the noise
         multiplier calibrated for the cell's full horizon (the same noise per round as the cell it tunes).
+    widen : int
+        How many values a numeric key may be extended by past its grid, one step at a time, while the chosen
+        value sits on the edge of those tried (:func:`widening_trials`); 0: never.
     """
 
     grid: dict[str, list[Any]]
@@ -79,6 +87,7 @@ class Tuning:
     seeds: tuple[int, ...]
     last_rounds: int = 5
     rounds: int = 0
+    widen: int = 2
 
     def grid_for(self, variant: dict[str, Any] | None) -> dict[str, list[Any]]:
         """The keys tuned for a variant: the shared grid and its own, less the keys it sets itself."""
@@ -97,6 +106,40 @@ class Trial:
 
 
 @dataclass(frozen=True)
+class AuditOptions:
+    """The ``[audit]`` table: every variant's mechanism audited per condition after the cells (``fedhog audit``).
+
+    Attributes
+    ----------
+    runs, canaries, confidence, canary_norm
+        As :func:`fedhog.audit` takes them (``canaries`` 0: the harness's default).
+    variants : tuple of str
+        The variants audited; empty: every variant with a DP guarantee.
+    """
+
+    runs: int = 1
+    canaries: int = 0
+    confidence: float = 0.95
+    canary_norm: float = 100.0
+    variants: tuple[str, ...] = ()
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The options as the ``[audit]`` table writes them (what a stored audit is compared with)."""
+        return {"runs": self.runs, "canaries": self.canaries, "confidence": self.confidence,
+                "canary-norm": self.canary_norm, "variants": list(self.variants)}
+
+
+@dataclass(frozen=True)
+class AuditTarget:
+    """One audited (variant, condition): the mechanism of its cells, with fresh noise."""
+
+    audit_id: str
+    variant: str
+    condition: tuple[tuple[str, Any], ...]
+    config: RunConfig  # the condition's cell config with privacy-seed = -1 (never the pairing seed)
+
+
+@dataclass(frozen=True)
 class Sweep:
     """A validated sweep file and its cells."""
 
@@ -111,6 +154,7 @@ class Sweep:
     tuning: Tuning | None = None
     trials: tuple[Trial, ...] = ()
     choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] | None = None
+    audit: AuditOptions | None = None
 
     def tuned(self, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]]) -> "Sweep":
         """This sweep with every cell using the values chosen for its (variant, condition)."""
@@ -121,6 +165,28 @@ class Sweep:
     def metric(self) -> str:
         """The test metric the report compares: the first of the cells' ``metrics`` (``accuracy`` by default)."""
         return self.cells[0].config.metrics.split(",")[0].strip() if self.cells else "accuracy"
+
+    def variant_named(self, name: str) -> dict[str, Any] | None:
+        """The ``[[variants]]`` table of that name (None in a sweep without variants)."""
+        return next((v for v in self.variants if v["name"] == name), None)
+
+    @property
+    def audit_targets(self) -> list[AuditTarget]:
+        """One per (variant, condition) that ``[audit]`` audits, from its first cell (the tuned one after tuning).
+
+        The audit draws fresh noise (privacy-seed = -1) and ignores the data: seed and results-dir are reset.
+        """
+        if self.audit is None:
+            return []
+        targets: dict[tuple[str, tuple[tuple[str, Any], ...]], AuditTarget] = {}
+        for cell in self.cells:
+            wanted = (not self.audit.variants or cell.variant in self.audit.variants) and has_guarantee(cell.config)
+            condition = tuple((k, cell.overrides[k]) for k in self.condition_keys if k in cell.overrides)
+            if wanted and (cell.variant, condition) not in targets:
+                config = replace(cell.config, privacy_seed=-1, seed=RunConfig.seed, results_dir="")
+                targets[(cell.variant, condition)] = AuditTarget(
+                    cell_id_of(cell.variant, dict(condition)), cell.variant, condition, config)
+        return list(targets.values())
 
     @property
     def replicate_keys(self) -> list[str]:
@@ -209,7 +275,8 @@ def load_sweep(path: str | Path, output: str | Path | None = None) -> Sweep:
                          "'metrics' in [base], not per variant or grid value")
     tuning = _tuning(document["tune"], base, grid, variants) if "tune" in document else None
     trials = tuple(expand_trials(base, grid, variants, tuning, directory)) if tuning else ()
-    return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials)
+    audit = _audit(document["audit"], cells) if "audit" in document else None
+    return Sweep(path, directory, base, grid, variants, paired, cells, engine, tuning, trials, audit=audit)
 
 
 def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Sequence[dict[str, Any]],
@@ -261,19 +328,72 @@ def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Se
             condition = dict(zip(variant_conditions, condition_values))
             for setting_values in itertools.product(*tuned.values()):
                 setting = dict(zip(tuned, setting_values))
-                for seed in tuning.seeds:
-                    mapping = {**base, **keys, **setting, **condition, "seed": seed}
-                    name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
-                    cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
-                    config = _cell_config(cell_id, mapping, output / "tuning")
-                    if tuning.rounds:
-                        config = _cell_config(cell_id, _shortened(mapping, config, tuning.rounds), output / "tuning")
-                    if config.server_validation_fraction == 0:
-                        raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
-                                         "never the test set: set server-validation-fraction > 0 in [base]")
-                    trials.append(Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
-                                        tuple(condition.items()), tuple(setting.items())))
+                trials += [trial_of(base, variant, condition, setting, seed, tuning, output) for seed in tuning.seeds]
     return trials
+
+
+def trial_of(base: dict[str, Any], variant: dict[str, Any] | None, condition: dict[str, Any],
+             setting: dict[str, Any], seed: int, tuning: Tuning, output: Path) -> Trial:
+    """One tuning run of a variant in a condition with a setting of its tuned keys, on a tuning seed."""
+    keys = {k: v for k, v in (variant or {}).items() if k != "name"}
+    mapping = {**base, **keys, **setting, **condition, "seed": seed}
+    name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
+    cell_id = cell_id_of(variant["name"] if variant else None, {**condition, **setting, "seed": seed})
+    config = _cell_config(cell_id, mapping, output / "tuning")
+    if tuning.rounds:
+        config = _cell_config(cell_id, _shortened(mapping, config, tuning.rounds), output / "tuning")
+    if config.server_validation_fraction == 0:
+        raise SweepError(f"tuning cell '{cell_id}': [tune] chooses on the server's validation set, "
+                         "never the test set: set server-validation-fraction > 0 in [base]")
+    return Trial(Cell(cell_id, name, {**condition, **setting, "seed": seed}, config),
+                 tuple(condition.items()), tuple(setting.items()))
+
+
+def widening_trials(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tuple[str, tuple], dict[str, Any]]
+                    ) -> tuple[list[Trial], dict[tuple[str, tuple, str], str]]:
+    """The tuning trials of a grid widened past each choice on its edge, and why an edge is not widened.
+
+    For every (variant, condition): each numeric tuned key whose chosen value is the smallest or largest
+    tried (:func:`.stats.choice_stability`) gets the value one step further (:func:`.stats.beyond_edge`), up
+    to ``[tune] widen`` values past its grid; the trials are the widened grid's settings not yet tried (all
+    combinations with the other keys' values, so the grid stays a grid), on every tuning seed. The reasons
+    are keyed by (variant, condition, key).
+    """
+    tuning = sweep.tuning
+    assert tuning is not None
+    trials: list[Trial] = []
+    stuck: dict[tuple[str, tuple, str], str] = {}
+    known = {(t.cell.variant, t.condition, t.setting) for t in sweep.trials}
+    for (name, condition), stability in choice_stability(scores, choices).items():
+        chosen, variant = choices[(name, condition)], sweep.variant_named(name)
+        grid = tuning.grid_for(variant)
+        tried = {key: list(dict.fromkeys(dict(t.setting)[key] for t in sweep.trials
+                                         if (t.cell.variant, t.condition) == (name, condition))) for key in grid}
+        widened = {key: list(values) for key, values in tried.items()}
+        for key in stability.on_edge:
+            value = beyond_edge(tried[key], chosen[key])
+            if len([v for v in tried[key] if v not in grid[key]]) >= tuning.widen:
+                stuck[(name, condition, key)] = (f"still on the edge after {tuning.widen} widening"
+                                                 f"{'s' if tuning.widen > 1 else ''} ([tune] widen, the limit)"
+                                                 if tuning.widen else "not widened ([tune] widen = 0)")
+                continue
+            if value is None:
+                stuck[(name, condition, key)] = "the runs past it did not finish"
+                continue
+            try:
+                trial_of(sweep.base, variant, dict(condition), {**chosen, key: value}, tuning.seeds[0], tuning,
+                         sweep.output)
+            except SweepError as error:
+                stuck[(name, condition, key)] = (f"the next value {key} = {format_grid_value(value)} "
+                                                 f"is refused: {error}")
+                continue
+            widened[key].append(value)
+        for values in itertools.product(*widened.values()):
+            setting = dict(zip(widened, values))
+            if (name, condition, tuple(setting.items())) not in known:
+                trials += [trial_of(sweep.base, variant, dict(condition), setting, seed, tuning, sweep.output)
+                           for seed in tuning.seeds]
+    return trials, stuck
 
 
 def _shortened(mapping: dict[str, Any], full: RunConfig, rounds: int) -> dict[str, Any]:
@@ -342,7 +462,56 @@ def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
     if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= last_rounds) and rounds != 0:
         raise SweepError(f"[tune] rounds={rounds!r} is not allowed; expected 0 (as long as the cells) or an "
                          f"integer ≥ last-rounds ({last_rounds})")
-    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds)
+    widen = raw.get("widen", Tuning.widen)
+    if not (isinstance(widen, int) and not isinstance(widen, bool) and 0 <= widen <= MAX_WIDEN):
+        raise SweepError(f"[tune] widen={widen!r} is not allowed; expected an integer in 0..{MAX_WIDEN} (how many "
+                         "values past its grid a key may be extended by while the choice sits on the edge)")
+    return Tuning(tuned_grid, per_variant, tuple(seeds), last_rounds, rounds, widen)
+
+
+def has_guarantee(config: RunConfig) -> bool:
+    """Whether the config's release has a DP guarantee (an accounted ε < ∞) for an audit to test."""
+    if config.client_dp == "dpsgd":
+        return True
+    return config.mechanism != "none" and (config.target_epsilon > 0 or config.noise_multiplier > 0)
+
+
+def _audit(raw: Any, cells: Sequence[Cell]) -> AuditOptions:
+    if not isinstance(raw, dict):
+        raise SweepError(f"'audit' must be a table ([audit]), got {raw!r}")
+    for key in raw:
+        if key not in AUDIT_KEYS:
+            raise SweepError(f"[audit]: {unknown_key_message(key, AUDIT_KEYS, 'key')}")
+    defaults = AuditOptions()
+
+    def number(key: str, ok: Any, expected: str, integer: bool = False) -> Any:
+        value = raw.get(key, getattr(defaults, key.replace("-", "_")))
+        kind = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not kind or not ok(value):
+            raise SweepError(f"[audit] {key}={value!r} is not allowed; expected {expected}")
+        return value
+
+    runs = number("runs", lambda v: v >= 1, "an integer ≥ 1", integer=True)
+    canaries = number("canaries", lambda v: v == 0 or 2 <= v <= MAX_AUDIT_CANARIES,
+                      f"0 (the harness's default) or an integer in 2..{MAX_AUDIT_CANARIES}", integer=True)
+    confidence = number("confidence", lambda v: 0 < v < 1, "a number in (0, 1)")
+    canary_norm = number("canary-norm", lambda v: math.isfinite(v) and v > 0,
+                         "a finite number > 0 (a canary's update length in units of C)")
+    names = list(dict.fromkeys(cell.variant for cell in cells))
+    guaranteed = [n for n in names if any(has_guarantee(c.config) for c in cells if c.variant == n)]
+    variants = raw.get("variants", [])
+    if not (isinstance(variants, list) and all(isinstance(v, str) for v in variants)):
+        raise SweepError(f"[audit] variants={variants!r} is not allowed; expected a list of variant names "
+                         f"({', '.join(guaranteed) or 'none has a DP guarantee'})")
+    for name in variants:
+        if name not in names:
+            raise SweepError(f"[audit] variants: no variant '{name}'; variants: {', '.join(names)}")
+        if name not in guaranteed:
+            raise SweepError(f"[audit] variants: variant '{name}' has no DP guarantee (ε = ∞): nothing to audit; "
+                             f"expected variants with one: {', '.join(guaranteed) or 'none'}")
+    if not variants and not guaranteed:
+        raise SweepError("[audit]: no variant has a DP guarantee (ε = ∞ everywhere): nothing to audit")
+    return AuditOptions(runs, canaries, float(confidence), float(canary_norm), tuple(variants))
 
 
 def _tune_grid(where: str, table: dict[str, Any], base: dict[str, Any], grid: dict[str, list[Any]]

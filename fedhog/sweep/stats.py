@@ -157,6 +157,24 @@ def choice_stability(scores: Sequence[TrialScore],
     return out
 
 
+def beyond_edge(tried: Sequence[Any], value: Any) -> Any:
+    """The value one step past ``value`` when it is the smallest or largest of ``tried``, else None.
+
+    Geometric when every value tried is > 0 (the edge times its ratio to its neighbour: 0.1, 0.3 → 0.9 or
+    0.033), arithmetic otherwise (the edge plus its gap to its neighbour); integers stay integers, at least one
+    apart. None with fewer than two distinct values. Floats are rounded to 12 significant digits.
+    """
+    values = sorted(set(tried))
+    if len(values) < 2 or value not in (values[0], values[-1]):
+        return None
+    edge, neighbour = (values[-1], values[-2]) if value == values[-1] else (values[0], values[1])
+    step = edge * edge / neighbour if values[0] > 0 else 2 * edge - neighbour
+    if all(isinstance(v, int) for v in values):
+        rounded = round(step)
+        return rounded if rounded != edge else edge + (1 if edge > neighbour else -1)
+    return float(f"{step:.12g}")
+
+
 def validation_score(rounds: Sequence[dict[str, Any]], last_rounds: int) -> float:
     """Mean ``validation_accuracy`` over the last ``last_rounds`` rounds (NaN when there is none)."""
     values = [r["validation_accuracy"] for r in rounds[-last_rounds:] if r.get("validation_accuracy") is not None]
