@@ -16,13 +16,8 @@ from fedhog.data import (
     validate_spec,
 )
 
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 SPEC = DataSpec(dataset="mnist1d", num_samples=2000, num_partitions=20, seed=0)
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path))
-    return tmp_path
 
 
 def all_clients(spec):
@@ -43,7 +38,7 @@ def label_skew(spec):
     return 0.5 * np.abs(dists - pooled).sum(1).mean()
 
 
-def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(cache_dir):
+def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(fresh_cache):
     load_mnist1d.cache_clear()
     np.random.seed(123)
     random.seed(123)
@@ -52,7 +47,7 @@ def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(cache_dir):
     assert np.array_equal(np.random.get_state()[1], np_state[1])
     assert random.getstate() == py_state
     assert x.shape == (500, 1, 40) and x.dtype == np.float32 and y.dtype == np.int64
-    assert [p.suffix for p in cache_dir.iterdir()] == [".npz"]  # no temp file left behind
+    assert [p.suffix for p in fresh_cache.iterdir()] == [".npz"]  # no temp file left behind
     load_mnist1d.cache_clear()
     x2, y2 = load_mnist1d(500, 7)  # now read from disk
     assert np.array_equal(x, x2) and np.array_equal(y, y2)

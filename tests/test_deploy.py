@@ -18,22 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics
 
 from fedhog.config import ConfigError, RunConfig
 from fedhog.deploy import (DeployError, LocalFederation, _check_finished, _last_error, deploy_local,
                            generate_tls_files, marked_processes)
 from fedhog.results import config_to_toml
 
+pytestmark = pytest.mark.usefixtures("private_dirs")  # never ~/.flwr, whatever deploy does
 SETTINGS = {"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 1.0, "rounds": 2,
             "partitioner": "iid", "privacy-seed": 11, "noise-multiplier": 0.5, "clipping-norm": 2.0}
-
-
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path_factory, monkeypatch):
-    base = tmp_path_factory.getbasetemp()
-    monkeypatch.setenv("FEDHOG_CACHE", str(base / "cache"))
-    monkeypatch.setenv("FLWR_HOME", str(base / "flwr-home-unused"))  # never ~/.flwr, whatever deploy does
-    monkeypatch.setenv("RAY_TMPDIR", str(base / "ray"))
 
 
 def _processes_using(workdir: Path) -> list[str]:
@@ -141,7 +135,7 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
                                                                  "supernode-1.log"}
     run_in_process(server_app, client_app, 2, _config(tmp_path, "inprocess").to_mapping())
 
-    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+    deployed, in_process = (read_metrics(tmp_path / name)
                             for name in ("deployed", "inprocess"))
     assert deployed["status"] == in_process["status"] == "finished"
     for a, b in zip(deployed["rounds"], in_process["rounds"], strict=True):
@@ -171,7 +165,7 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
                              timeout=300)
     assert _processes_using(tmp_path / "work") == []
     run_in_process(server_app, client_app, 3, _config(tmp_path, "inprocess", **secure).to_mapping())
-    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+    deployed, in_process = (read_metrics(tmp_path / name)
                             for name in ("deployed", "inprocess"))
     assert deployed["status"] == "finished" and deployed["rounds"][0]["failure"] == ""
     assert deployed["rounds"][0]["clients_accepted"] == in_process["rounds"][0]["clients_accepted"] == 3
@@ -187,7 +181,7 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
 def test_one_round_over_tls(tmp_path):
     directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
                              timeout=300)
-    metrics = json.loads((directory / "metrics.json").read_text())
+    metrics = read_metrics(directory)
     assert metrics["status"] == "finished" and len(metrics["rounds"]) == 1
     assert metrics["rounds"][0]["clients_accepted"] == 2
     assert "https://127.0.0.1:" in (directory / "logs" / "superlink.log").read_text()

@@ -7,7 +7,6 @@ what the server holds (masked vectors, then a sum that is not the exact one).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -18,6 +17,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from helpers import read_metrics
 from scipy import stats
 
 from fedhog import protocol
@@ -206,7 +206,7 @@ def _run(tmp_path, name: str, grid_kwargs: dict | None = None, **overrides) -> t
     config = RunConfig().with_overrides(settings)
     grid = DroppingGrid(fedhog_client_app, config.population, config.to_mapping(), **(grid_kwargs or {}))
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping()))
-    metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / name)
     return metrics, torch.load(tmp_path / name / "final_model.pt"), grid
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
+from helpers import read_metrics
 
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import RunConfig
@@ -25,15 +26,13 @@ SMALL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _run(tmp_path, client_app=fedhog_client_app, **overrides) -> dict:
     config = RunConfig().with_overrides({**SMALL, **overrides, "results-dir": str(tmp_path / "run")})
     run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return json.loads((tmp_path / "run" / "metrics.json").read_text())
+    return read_metrics(tmp_path / "run")
 
 
 def test_hog_run_learns_and_reports_epsilon(tmp_path):
@@ -159,7 +158,7 @@ def test_a_federation_smaller_than_the_population_is_a_clear_error(tmp_path, pri
     config = RunConfig().with_overrides({**SMALL, "privacy-seed": privacy_seed, "results-dir": str(tmp_path / "run")})
     with pytest.raises(RuntimeError, match="population=10 but .*num-supernodes"):
         run_in_process(server_app, fedhog_client_app, 8, config.to_mapping())
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+    assert read_metrics(tmp_path / "run")["status"] == "failed"
 
 
 def test_identification_keys_sampling_by_partition_id(tmp_path):
@@ -198,7 +197,7 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     while runner.is_alive():
         if url is None:
             try:
-                url = json.loads((tmp_path / "run" / "metrics.json").read_text()).get("metrics_url")
+                url = read_metrics(tmp_path / "run").get("metrics_url")
             except (FileNotFoundError, json.JSONDecodeError):
                 pass
         if url:

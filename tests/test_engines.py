@@ -9,7 +9,6 @@ fedhog's own: they run in a private folder and are gone when `fedhog run` exits.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import read_metrics
 from tagged import new_tag, tagged
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None 
         output = run.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     assert run.returncode == 0, output + _tail(results / "flwr.log")
     assert tagged(tag) == {}, "processes left behind"  # fedhog's SuperLink, SuperExec, flwr-simulation, Ray
-    return json.loads((results / "metrics.json").read_text())
+    return read_metrics(results)
 
 
 def _tail(path) -> str:

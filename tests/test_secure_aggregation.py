@@ -7,16 +7,16 @@ against exact integer sums, and against the trusted mode's release.
 from __future__ import annotations
 
 import base64
-import json
 import math
 import re
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+from helpers import read_metrics
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -30,6 +30,7 @@ from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFa
 from fedhog.server_app import app as server_app
 from fedhog.vectorized import unbatchable_reason
 
+pytestmark = pytest.mark.usefixtures("shared_cache")
 DIMENSION = 3000
 CLIP = 2.0
 
@@ -223,13 +224,8 @@ def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | Non
         grids.append(grid)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
     server_app(grid, context)
-    metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / name)
     return metrics, torch.load(tmp_path / name / "final_model.pt")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
 @pytest.mark.parametrize("sigma", [0.0, 0.5])
@@ -265,7 +261,7 @@ def test_a_server_that_lowers_the_threshold_gets_no_round_from_clients_that_did_
                                            r"setup asks for a threshold of 2 shares.*requires ≥ 4.*ε = 0"):
         _run(tmp_path, "lying", grids=grids, client_overrides={"secagg-threshold": 0.66},
              **secure, **{"secagg-threshold": 0.01})
-    metrics = json.loads((tmp_path / "lying" / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / "lying")
     record = metrics["rounds"][0]
     assert record["failure"].startswith("secure aggregation failed: setup")
     assert record["epsilon"] == 0.0 and record["clients_accepted"] == 0

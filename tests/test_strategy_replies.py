@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.common.constant import ErrorCode
 
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
@@ -17,20 +16,13 @@ from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_ga
 from fedhog.server_optimizer import ServerOptimizerSettings
 from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
 
+pytestmark = pytest.mark.usefixtures("server_identity")
 # node ids are deliberately not in partition order
 NODES = [905, 12, 777, 40, 3001, 88, 560, 2]
 OUTSIDER = 424242  # not a node of this federation
 SHAPES = {"w": (2, 3), "b": (3,)}
 NUMEL = 9
 GLOBAL_FLAT = np.linspace(-1.0, 1.0, NUMEL).astype(np.float32)
-
-
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    """Messages take run and sender from the task identity, as in a ServerApp process."""
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", SUPERLINK_NODE_ID)
 
 
 def as_record(flat, shapes=None, dtype=np.float32):

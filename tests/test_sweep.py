@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import read_metrics
 from scipy import stats
 
 from fedhog.sweep.report import summary_markdown, tuning_markdown
@@ -256,19 +257,19 @@ def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke
 
     crashed, deleted = copy.cells[0], copy.cells[-1]
     assert deleted.config.aggregator == "flower-dp"
-    document = json.loads((crashed.directory / "metrics.json").read_text())
-    deleted_document = json.loads((deleted.directory / "metrics.json").read_text())
+    document = read_metrics(crashed.directory)
+    deleted_document = read_metrics(deleted.directory)
     (crashed.directory / "metrics.json").write_text(json.dumps({**document, "status": "failed"}))
     shutil.rmtree(deleted.directory)
     third = run_sweep(copy, show_progress=False)
     assert set(third.ran) == {crashed.cell_id, deleted.cell_id} and len(third.skipped) == 12
     for cell in copy.cells[1:-1]:
         assert (cell.directory / "metrics.json").stat().st_mtime_ns == mtimes[cell.cell_id]
-    assert json.loads((deleted.directory / "metrics.json").read_text())["status"] == "finished"
+    assert read_metrics(deleted.directory)["status"] == "finished"
     # the fixed privacy seed reproduces the crashed cell's run exactly, and Flower's baseline too
-    assert json.loads((crashed.directory / "metrics.json").read_text())["rounds"][-1]["accuracy"] == \
+    assert read_metrics(crashed.directory)["rounds"][-1]["accuracy"] == \
         document["rounds"][-1]["accuracy"]
-    assert [r["accuracy"] for r in json.loads((deleted.directory / "metrics.json").read_text())["rounds"]] == \
+    assert [r["accuracy"] for r in read_metrics(deleted.directory)["rounds"]] == \
         [r["accuracy"] for r in deleted_document["rounds"]]
     assert len(_read_csv(output / "results.csv")) == 14 * 3
 
@@ -396,8 +397,7 @@ def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_
         (("learning-rate", lr), ("mixing-strength", g)) for lr in (0.001, 0.3) for g in (0.25, 1.0)}
 
 
-def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch, fresh_cache):
     monkeypatch.chdir(tmp_path)  # output = "out" is relative to the working directory
     sweep = load_sweep(_write(tmp_path, TUNED))
     outcome = run_sweep(sweep, show_progress=False)
@@ -410,7 +410,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
         scores = {}
         for trial in tuned.trials:
             if (trial.cell.variant, trial.condition) == (variant, condition):
-                rounds = json.loads((trial.cell.directory / "metrics.json").read_text())["rounds"]
+                rounds = read_metrics(trial.cell.directory)["rounds"]
                 scores[trial.setting] = np.mean([r["validation_accuracy"] for r in rounds[-2:]])
         assert scores[tuple(chosen.items())] == max(scores.values())  # the best validation score, not test
         for cell in tuned.cells:
@@ -473,12 +473,11 @@ def test_bad_tuning_tables_name_the_key(tmp_path, change, match):
         load_sweep(_write(tmp_path, text))
 
 
-def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch):
+def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch, fresh_cache):
     """A sweep with metrics = "auprc,...": summary.md and the paired tests use each cell's final AUPRC."""
     import pandas as pd
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     rows = 400
     x = rng.normal(size=(rows, 3))
@@ -512,7 +511,7 @@ mechanism = "none"
     outcome = run_sweep(sweep, show_progress=False)
     finals = {}
     for cell in sweep.cells:
-        document = json.loads((cell.directory / "metrics.json").read_text())
+        document = read_metrics(cell.directory)
         finals[(cell.variant, cell.config.seed)] = document["rounds"][-1]["auprc"]
     (comparison,) = outcome.comparisons
     assert comparison.differences == pytest.approx([finals[("none", s)] - finals[("gaussian", s)] for s in (0, 1)])

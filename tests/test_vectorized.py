@@ -8,11 +8,11 @@ cohort exactly, and every round's test accuracy to within one test example.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
+from helpers import read_run
 
 from fedhog.client_app import app as client_app
 from fedhog.client_app import third_order_term
@@ -31,9 +31,7 @@ SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate":
          "clipping-norm": 1.0, "noise-multiplier": 0.5, "mechanism": "gaussian", "privacy-seed": 7}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _config(**overrides) -> RunConfig:
@@ -106,8 +104,7 @@ def _run(engine: str, tmp_path, **overrides) -> tuple[dict, dict[str, torch.Tens
         run_vectorized(server_app, client_app, config)
     else:
         run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return (json.loads((tmp_path / engine / "metrics.json").read_text()),
-            torch.load(tmp_path / engine / "final_model.pt"))
+    return read_run(tmp_path / engine)
 
 
 CONFIGS = {
