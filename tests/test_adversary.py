@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedhog import protocol
-from fedhog.checkpoint import CHECKPOINT, load_checkpoint
+from fedhog.checkpoint import CHECKPOINT
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
 from fedhog.engine import InProcessGrid, run_in_process

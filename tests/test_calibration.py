@@ -78,5 +78,5 @@ def test_bad_arguments_are_named(name, value):
 
 
 def test_pld_cannot_calibrate_sampling_without_replacement():
-    with pytest.raises(ValueError, match="accountant='pld'.*without-replacement"):
+    with pytest.raises(ValueError, match=r"accountant='pld'.*without-replacement"):
         calibrate_event_noise_multiplier(3.0, DELTA, 10, privacy_config("fixed", N, DELTA), 100, "pld")

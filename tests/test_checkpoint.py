@@ -46,7 +46,7 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_the_previous_stays(tmp_path, 
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no checkpoint.pt"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint.pt"):
         load_checkpoint(tmp_path)
 
 

@@ -1,4 +1,5 @@
-"""A real local deployment (SuperLink, SuperNodes, `flwr run`) gives the in-process engine's run and leaves nothing behind.
+"""A real local deployment (SuperLink, SuperNodes, `flwr run`) gives the in-process engine's run and leaves
+nothing behind.
 
 Every ClientApp message costs a fresh process here (~6 s for a trivial one, ~10 s
 with fedhog's imports), so the deployments are 2 nodes and 1–2 rounds.
@@ -21,8 +22,15 @@ import torch
 from helpers import read_metrics
 
 from fedhog.config import ConfigError, RunConfig
-from fedhog.deploy import (DeployError, LocalFederation, _check_finished, _last_error, deploy_local,
-                           generate_tls_files, marked_processes)
+from fedhog.deploy import (
+    DeployError,
+    LocalFederation,
+    _check_finished,
+    _last_error,
+    deploy_local,
+    generate_tls_files,
+    marked_processes,
+)
 from fedhog.results import config_to_toml
 
 pytestmark = pytest.mark.usefixtures("private_dirs")  # never ~/.flwr, whatever deploy does
@@ -73,9 +81,9 @@ def test_throwaway_certificates_verify_for_127_0_0_1_and_localhost(tmp_path):
         server.start()
         client_context = ssl.create_default_context(cafile=str(files.ca_certfile))
         for host in ("127.0.0.1", "localhost"):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-                with client_context.wrap_socket(raw, server_hostname=host) as tls:
-                    assert tls.recv(2) == b"ok"
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client_context.wrap_socket(raw, server_hostname=host) as tls:
+                assert tls.recv(2) == b"ok"
         server.join(timeout=10)
 
 

@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from helpers import read_metrics
 from scipy import stats
+from test_secure_aggregation import CLIP, DIMENSION, DroppingGrid, _contributions, _secure_app
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -36,7 +37,6 @@ from fedhog.secure_aggregation.quantization import WRAP_STDS, ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
 from fedhog.server_app import app as server_app
 from fedhog.strategy import SecureAggregator
-from test_secure_aggregation import CLIP, DIMENSION, DroppingGrid, _contributions, _secure_app
 
 ALPHA = 1e-6
 DRAWS = 200_000
@@ -186,8 +186,8 @@ def test_the_server_never_unmasks_fewer_than_m_noise_shares():
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
     for dropped, fails in ((1, False), (2, True)):
         grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=Stage.COLLECT_MASKED_VECTORS, drop_count=dropped)
-        run = lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION,  # noqa: E731
-                                 SecAggSettings(0, 0.66, lattice, CLIP, noise), 10, "1")
+        run = lambda grid=grid: secure_sum(grid, sorted(grid.contexts), content, DIMENSION,  # noqa: E731
+                                           SecAggSettings(0, 0.66, lattice, CLIP, noise), 10, "1")
         if fails:
             with pytest.raises(SecureAggregationFailed, match="the noise of m = 6 clients"):
                 run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -14,10 +15,10 @@ from helpers import read_metrics
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_server_validation_set, load_test_set
-from fedhog.models import build_model
-from fedhog.training import evaluate
 from fedhog.engine import run_in_process
+from fedhog.models import build_model
 from fedhog.server_app import app as server_app
+from fedhog.training import evaluate
 
 SMALL = {
     "dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5,
@@ -66,7 +67,8 @@ def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(
 
 
 def test_server_step_scales_the_optimizer_step_within_its_bound(tmp_path):
-    rounds = _run(tmp_path, rounds=2, **{"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0})["rounds"]
+    settings = {"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0}
+    rounds = _run(tmp_path, rounds=2, **settings)["rounds"]
     assert all(0 <= r["server_step_scale"] <= 3.0 for r in rounds)
     assert any(r["server_step_scale"] not in (0.0, 1.0, 3.0) for r in rounds)  # an interior minimiser was taken
     assert all(r["server_step_scale"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])
@@ -156,7 +158,7 @@ def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
 @pytest.mark.parametrize("privacy_seed", [-1, 3])  # without and with partition identification
 def test_a_federation_smaller_than_the_population_is_a_clear_error(tmp_path, privacy_seed):
     config = RunConfig().with_overrides({**SMALL, "privacy-seed": privacy_seed, "results-dir": str(tmp_path / "run")})
-    with pytest.raises(RuntimeError, match="population=10 but .*num-supernodes"):
+    with pytest.raises(RuntimeError, match=r"population=10 but .*num-supernodes"):
         run_in_process(server_app, fedhog_client_app, 8, config.to_mapping())
     assert read_metrics(tmp_path / "run")["status"] == "failed"
 
@@ -196,10 +198,8 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     seen_rounds, url = [], None
     while runner.is_alive():
         if url is None:
-            try:
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
                 url = read_metrics(tmp_path / "run").get("metrics_url")
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
         if url:
             try:
                 text = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import read_metrics
+from helpers import read_metrics, set_args
 from tagged import new_tag, tagged
 
 pytestmark = pytest.mark.slow
@@ -31,9 +30,8 @@ SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-
 
 def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None = None) -> dict:
     """Run `fedhog run` to the end; with ``seen``, collect every process it started (pid -> command, cwd)."""
-    args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine]
-    for setting in settings + [f"results-dir=\"{results}\""]:
-        args += ["--set", setting]
+    args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine,
+            *set_args(*settings, f'results-dir="{results}"')]
     tag = new_tag()
     with subprocess.Popen(args, env={**env, **tag}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=CHECKOUT) as run:
@@ -104,7 +102,7 @@ def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env, nois
     """SecAgg+'s client state lives in each node's context between the stages' messages, which the
     Simulation Engine keeps as the in-process engine does: with a fixed privacy seed the clients draw
     the same ξ, roundings and (distributed) noise shares, so both engines unmask the same sums."""
-    settings = SETTINGS + ["secure-aggregation=\"secagg+\"", "mechanism=\"hog\""] + noise
+    settings = [*SETTINGS, "secure-aggregation=\"secagg+\"", "mechanism=\"hog\"", *noise]
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env, settings)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env, settings)
     assert simulated["status"] == in_process["status"] == "finished"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import read_metrics
 from tagged import new_tag, tagged
 

@@ -60,12 +60,11 @@ def test_the_previous_checkpoint_is_a_copy_not_the_current_file_moved(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_inside_a_deferred_block_is_raised_when_it_ends(signum):
     reached_end = False
-    with interrupts.handled():
-        with pytest.raises((KeyboardInterrupt, SystemExit)) as raised:
-            with interrupts.deferred():
-                os.kill(os.getpid(), signum)
-                time.sleep(0.05)  # the handler runs here, and must not raise
-                reached_end = True
+    # the statements are the point: the signal must be raised when the deferred block ends, not inside it
+    with interrupts.handled(), pytest.raises((KeyboardInterrupt, SystemExit)) as raised, interrupts.deferred():  # noqa: PT012
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)  # the handler runs here, and must not raise
+        reached_end = True
     assert reached_end and interrupts.interrupt_exit_code(raised.value) == CODES[signum]
 
 
@@ -82,7 +81,7 @@ def _sets(results: Path) -> list[str]:
 class _LateSignals:
     """Record SIGINT/SIGTERM instead of raising, around a run: a timer that fires after the run ended is harmless."""
 
-    def __enter__(self) -> "_LateSignals":
+    def __enter__(self) -> _LateSignals:
         self.seen: list[int] = []
         self.previous = {s: signal.signal(s, lambda signum, frame: self.seen.append(signum))
                          for s in interrupts.SIGNALS}

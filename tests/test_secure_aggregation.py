@@ -132,7 +132,7 @@ def test_clients_refuse_to_unmask_a_sum_of_fewer_than_their_noise_shares():
         run()
     refusals = [r.error.reason for r in grid.replies if r.has_error()]
     assert refusals and all("unmask a sum of 5 contributions" in e for e in refusals)
-    honest, _, honest_run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
+    _honest, _, honest_run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
                                      guard=ClientGuard(0.66, 0, cohort=n, min_survivors=5))
     assert honest_run().contributors == 5  # m = 5 survivors: released
 
@@ -197,15 +197,15 @@ def test_dropouts_up_to_the_threshold_still_release_the_survivors_sum(stage):
 
 def test_sparse_secaggplus_graph_releases_the_sum_with_dropouts():
     n = 9  # k = 5 neighbours, t = 3: each neighbourhood tolerates 2 dropouts
-    grid, levels, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(4,), num_shares=5, threshold=0.6)
+    _grid, levels, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(4,), num_shares=5, threshold=0.6)
     result = run()
     assert torch.equal(result.levels, torch.from_numpy(sum(levels[i] for i in range(n) if i != 4)))
 
 
 @pytest.mark.parametrize("stage", [Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK])
 def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
-    grid, _, run = _run_sum(7, drop_at=stage, drop=(1, 2, 3))
-    with pytest.raises(SecureAggregationFailed, match="threshold is 5|5 are needed") as failure:
+    _grid, _, run = _run_sum(7, drop_at=stage, drop=(1, 2, 3))
+    with pytest.raises(SecureAggregationFailed, match=r"threshold is 5|5 are needed") as failure:
         run()
     assert len(failure.value.dropped) == 3
 
@@ -239,7 +239,6 @@ def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound
     assert epsilons[0] == (epsilons[1] if sigma == 0 else pytest.approx(epsilons[1], rel=1e-9))
     if sigma > 0:  # each mode draws its own discrete Gaussian on its own lattice: the noise is not coupled
         return
-    dimension = sum(v.numel() for v in secure_model.values())
     g = secure["privacy"]["secagg_granularity"]  # g of the largest cohort: K = 6 under fixed-size sampling
     assert g == ModularLattice.for_cohort(0.5, 6, 32).granularity
     # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,

@@ -116,5 +116,5 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, fresh_c
     assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in whole["rounds"]]
     for key in model_whole:
         assert torch.equal(model_resumed[key], model_whole[key])
-    plain, model_plain = run("sgd", rounds=4, **{"server-optimizer": "sgd", "server-learning-rate": 1.0})
+    _plain, model_plain = run("sgd", rounds=4, **{"server-optimizer": "sgd", "server-learning-rate": 1.0})
     assert any(not torch.equal(model_plain[k], model_whole[k]) for k in model_whole)  # adam really ran

@@ -149,7 +149,7 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     assert {c.config.seed for c in sweep.cells} == set(range(5))
 
 
-@pytest.mark.parametrize(("text", "match"), [
+@pytest.mark.parametrize("text, match", [
     ('output = "o"\nnoise = 1', "unknown key 'noise'"),
     ('[grid]\nseed = [0]', "output=None"),
     ('output = "o"\n[grid]\nseed = 3', "grid key 'seed' must be a non-empty list.*3"),
@@ -160,7 +160,8 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     ('output = "o"\n[base]\nseed = 1\n[grid]\nseed = [0]', "'seed' is in both"),
     ('output = "o"\n[[variants]]\nmechanism = "hog"', "variant #1 .* needs a 'name'"),
     ('output = "o"\n[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "variant name 'a' is used twice"),
-    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1', r"variant 'a' sets 'seed', a \[grid\] key that pairs cells"),
+    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1',
+     r"variant 'a' sets 'seed', a \[grid\] key that pairs cells"),
     ('output = "o"\n[[variants]]\nname = "a"\nmixing = 1.0', "variant 'a': unknown run-config key 'mixing'"),
     ('output = "o"\npaired = [["a", "b"]]\n[[variants]]\nname = "a"', "no variant 'b'"),
     ('output = "o"\n[grid]\nmechanism = ["hog", "laplace"]', "cell 'mechanism=laplace': mechanism='laplace'"),
@@ -481,8 +482,9 @@ def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch, fresh_c
     rng = np.random.default_rng(0)
     rows = 400
     x = rng.normal(size=(rows, 3))
-    pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "branch": rng.integers(0, 4, rows),
-                  "y": (x[:, 0] + 0.5 * rng.normal(size=rows) > 1.2).astype(int)}).to_csv(tmp_path / "t.csv", index=False)
+    table = pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "branch": rng.integers(0, 4, rows),
+                          "y": (x[:, 0] + 0.5 * rng.normal(size=rows) > 1.2).astype(int)})
+    table.to_csv(tmp_path / "t.csv", index=False)
     sweep = load_sweep(_write(tmp_path, f"""
 output = "out"
 paired = [["gaussian", "none"]]

@@ -62,7 +62,7 @@ def test_a_cohort_trains_each_client_exactly_as_the_client_loop(model, momentum,
     work = trainer.train(start, partitions, seeds, epochs, config.batch_size, config.learning_rate, momentum)
     sizes = [len(load_client_data(config.data_spec, p)[0]) for p in partitions]
     assert len(set(sizes)) > 1  # the cohort really is uneven
-    for k, (partition, seed) in enumerate(zip(partitions, seeds)):
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
         alone = build_model(config.model, *dataset_info(config.data_spec))
         alone.load_state_dict(start)
         local = train_locally(alone, load_client_data(config.data_spec, partition)[0], epochs, config.batch_size,
@@ -82,10 +82,10 @@ def test_a_cohorts_third_order_terms_are_each_clients(direction, term):
     work = trainer.train(start, partitions, seeds, config.local_epochs, config.batch_size, config.learning_rate,
                          config.momentum, HogSettings(direction, term, config.hog_batch_size))
     assert work.terms is not None and all(work.term_finite)
-    for k, (partition, seed) in enumerate(zip(partitions, seeds)):
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
         model = build_model(config.model, *dataset_info(config.data_spec))
         model.load_state_dict(start)
-        update = dict(zip(start, torch.split(work.updates[k], [v.numel() for v in start.values()])))
+        update = dict(zip(start, torch.split(work.updates[k], [v.numel() for v in start.values()]), strict=True))
         update = {key: value.reshape(start[key].shape) for key, value in update.items()}
         expected, finite, _ = third_order_term(model, load_client_data(config.data_spec, partition)[0], update,
                                                config, seed)
