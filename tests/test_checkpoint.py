@@ -75,6 +75,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["kill", "int", "term"])
 def test_a_killed_run_resumes_to_the_same_result(tmp_path, uninterrupted, signum):
     whole, env = uninterrupted

@@ -87,6 +87,7 @@ def test_throwaway_certificates_verify_for_127_0_0_1_and_localhost(tmp_path):
         server.join(timeout=10)
 
 
+@pytest.mark.subprocess
 def test_stop_ends_detached_grandchildren(tmp_path):
     """Flower detaches its SuperExec and app processes; stop() finds them by the deployment's marker."""
     federation = LocalFederation(1, tmp_path / "work", tmp_path / "logs")
@@ -128,6 +129,7 @@ def test_flwr_cli_errors_are_quoted_from_their_box(tmp_path):
 
 # --- real processes ----------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_deployment_matches_the_inprocess_engine(tmp_path):
     from fedhog.client_app import app as client_app
     from fedhog.engine import run_in_process
@@ -159,6 +161,7 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("noise", [{}, {"sampling": "fixed", "noise": "distributed"}], ids=["central", "distributed"])
 def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
     """Each SecAgg+ stage is a message to a fresh flwr-clientapp process: the protocol's keys must survive in
@@ -186,6 +189,7 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_round_over_tls(tmp_path):
     directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
                              timeout=300)
@@ -199,6 +203,7 @@ def test_one_round_over_tls(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_during_a_run_leaves_no_process(tmp_path, signum):
     config = _config(tmp_path, "interrupted", rounds=20)

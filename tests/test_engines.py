@@ -21,7 +21,7 @@ import torch
 from helpers import read_metrics, set_args
 from tagged import new_tag, tagged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-rate=0.5", "rounds=3",

@@ -16,7 +16,7 @@ from fedhog.config import RunConfig
 from fedhog.deploy import deploy_local
 from fedhog.privacy.accounting import ClientLevelAccountant
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("private_dirs")]
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.usefixtures("private_dirs")]
 
 
 def _supernode_pid(flwr_home: Path, partition: int) -> int:

@@ -19,7 +19,7 @@ import torch
 from helpers import read_metrics
 from tagged import new_tag, tagged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
 TINY = ["dataset=digits", "model=logreg", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
 

@@ -203,6 +203,7 @@ def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_ctrl_c_on_the_simulation_engine_keeps_only_the_runs_own_rounds(tmp_path, capsys, one_thread):
     """Flower's engine: the clients die before the ServerApp on Ctrl-C; the round they were in must not be kept
     (it used to be recorded and checkpointed as 'every sampled client failed', and the resume diverged)."""

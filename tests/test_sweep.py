@@ -335,6 +335,7 @@ def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
     return [name for name in done.stdout.strip().split(",") if name]
 
 
+@pytest.mark.subprocess
 def test_the_parts_import_downwards_and_the_package_keeps_its_names():
     """spec and stats load no runner, report or plots; stats not even torch, Flower or the run config."""
     upper = ("fedhog.sweep.runner", "fedhog.sweep.report", "fedhog.sweep.plots")

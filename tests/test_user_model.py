@@ -142,6 +142,7 @@ def test_a_trained_users_model_exports_to_torchscript(table):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_simulation_engine_imports_a_factory_from_the_working_directory(table):
     """Flower's processes start in other folders: fedhog puts the working directory on their PYTHONPATH."""
     result = fedhog.run(_config(table, rounds=1, population=4), engine="simulation")

@@ -123,7 +123,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+SMOKE = "hog-random"  # the fast tier's whole run of both engines; CI compares every row
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == SMOKE else pytest.mark.slow)
+                                  for name in CONFIGS])
 def test_vectorized_and_in_process_runs_agree(tmp_path, name):
     vectorized, model_v = _run("vectorized", tmp_path, **CONFIGS[name])
     in_process, model_i = _run("inprocess", tmp_path, **CONFIGS[name])
