@@ -86,6 +86,7 @@ def test_pld_agrees_with_opacus_prv(sigma, q, rounds):
 @given(sigma=st.floats(0.6, 5.0), q=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
        rounds=st.integers(1, 500), delta=st.sampled_from([1e-4, 1e-5, 1e-7]))
 @example(sigma=5.0, q=0.001, rounds=500, delta=1e-4)
+@pytest.mark.slow
 def test_rdp_bounds_are_never_tighter_than_pld(sigma, q, rounds, delta):
     # at dp_accounting's default grid: the 1e-3 grid overstates tiny ε (σ = 5, q = 0.001,
     # T = 500: 0.017 against 0.0076) past RDP's 0.013

@@ -85,6 +85,7 @@ def _run(tmp_path, **overrides) -> tuple[RunConfig, dict]:
     return config, read_metrics(tmp_path)
 
 
+@pytest.mark.slow
 def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, caplog):
     """Run with OS randomness, adaptive clipping and mixing; record every key drawn; scrape every file."""
     keys = []
@@ -110,6 +111,7 @@ def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, ca
             assert not any(needle in hay for hay in haystacks)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_the_model_the_accountant_and_diagnostics_only(tmp_path):
     _run(tmp_path, **{"adaptive-clipping": True, "count-noise-std": 2.0})
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)

@@ -79,6 +79,7 @@ SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate":
          "local-epochs": 1, "batch-size": 8, "learning-rate": 0.1, "clipping-norm": 1.0, "privacy-seed": 7}
 
 
+@pytest.mark.slow
 def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, fresh_cache):
     """tanh under heavy noise: growth, the walk and saturation per round, and the warning it deserves."""
     noisy = RunConfig().with_overrides({**SMALL, "activation": "tanh", "mechanism": "gaussian",

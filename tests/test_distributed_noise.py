@@ -251,6 +251,7 @@ def test_the_server_unmasks_only_a_noised_sum_and_adds_no_noise(tmp_path, monkey
     assert record["noise_std"] == pytest.approx(math.sqrt(10) * sigma * g / 10, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_metrics_record_the_plan_and_the_epsilon_of_the_ddg_accountant(tmp_path):
     metrics, _, _ = _run(tmp_path, "recorded", rounds=2)
     privacy = metrics["privacy"]
@@ -272,6 +273,7 @@ def test_metrics_record_the_plan_and_the_epsilon_of_the_ddg_accountant(tmp_path)
     assert not any("seed" in key or "key" in key for key in privacy if key != "randomness")
 
 
+@pytest.mark.slow
 def test_dropouts_down_to_m_release_and_below_m_fail_without_spending_epsilon(tmp_path):
     # K = 10, m = ⌈0.66·10⌉ = 7 (and SecAgg's t = 7): three dropouts after key sharing release, four do not
     metrics, _, _ = _run(tmp_path, "three", {"drop_at": Stage.COLLECT_MASKED_VECTORS, "drop_count": 3})

@@ -52,6 +52,7 @@ def _run(results: Path, **overrides) -> tuple[dict, dict]:
     return read_run(results)
 
 
+@pytest.mark.slow
 def test_client_noise_is_private_by_default_and_repeatable_only_with_a_privacy_seed(tmp_path):
     # every client in every round (q = 1) and no server noise: the only randomness left is the clients' DP-SGD
     quiet_server = {"sampling-rate": 1.0, "noise-multiplier": 0.0, "rounds": 2}
@@ -64,6 +65,7 @@ def test_client_noise_is_private_by_default_and_repeatable_only_with_a_privacy_s
     assert not same_state(seeded_a, default_a)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_spends_the_record_level_epsilon_of_a_never_stopped_one(tmp_path):
     seeded = {"privacy-seed": 11}
     reference, reference_model = _run(tmp_path / "whole", **seeded)

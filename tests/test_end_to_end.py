@@ -36,6 +36,7 @@ def _run(tmp_path, client_app=fedhog_client_app, **overrides) -> dict:
     return read_metrics(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_hog_run_learns_and_reports_epsilon(tmp_path):
     metrics = _run(tmp_path)
     rounds = metrics["rounds"]
@@ -54,6 +55,7 @@ def test_hog_run_learns_and_reports_epsilon(tmp_path):
     assert evaluate(model, load_test_set(config.data_spec))[1] == pytest.approx(rounds[-1]["accuracy"])
 
 
+@pytest.mark.slow
 def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(tmp_path):
     metrics = _run(tmp_path, rounds=2, **{"server-validation-fraction": 0.2})
     config = RunConfig().with_overrides({**SMALL, "server-validation-fraction": 0.2})
@@ -66,6 +68,7 @@ def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(
     assert all(r["validation_accuracy"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])  # NaN -> null
 
 
+@pytest.mark.slow
 def test_server_step_scales_the_optimizer_step_within_its_bound(tmp_path):
     settings = {"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0}
     rounds = _run(tmp_path, rounds=2, **settings)["rounds"]
@@ -74,12 +77,14 @@ def test_server_step_scales_the_optimizer_step_within_its_bound(tmp_path):
     assert all(r["server_step_scale"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])
 
 
+@pytest.mark.slow
 def test_fixed_privacy_seed_reproduces_the_run(tmp_path):
     first = _run(tmp_path / "a", rounds=2)
     second = _run(tmp_path / "b", rounds=2)
     assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
 
 
+@pytest.mark.slow
 def test_a_seeded_runs_epsilon_is_labelled_void_and_its_seed_is_not_published(tmp_path):
     seed = 918_273_645_546_372_819
     metrics = _run(tmp_path, rounds=1, **{"privacy-seed": seed})
@@ -146,6 +151,7 @@ def test_malformed_replies_are_dropped_and_the_run_completes(tmp_path):
     assert metrics["summary"]["epsilon"] != "inf"
 
 
+@pytest.mark.slow
 def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
     reference = _run(tmp_path / "ref", rounds=4)
     budget = (reference["rounds"][1]["epsilon"] + reference["rounds"][2]["epsilon"]) / 2
@@ -220,6 +226,7 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     assert final["fedhog_rounds_total"] == 4
 
 
+@pytest.mark.slow
 def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_path):
     fixed = _run(tmp_path / "fixed", rounds=8, **{"clipping-norm": 50.0})
     adaptive = _run(tmp_path / "adaptive", rounds=8, **{"clipping-norm": 50.0, "adaptive-clipping": True,
@@ -231,6 +238,7 @@ def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_pa
     assert [r["epsilon"] for r in adaptive["rounds"]] == pytest.approx([r["epsilon"] for r in fixed["rounds"]])
 
 
+@pytest.mark.slow
 def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
     metrics = _run(tmp_path, rounds=3, mechanism="gaussian", **{"client-dp": "dpsgd", "sampling-rate": 1.0,
                                                                 "dpsgd-noise-multiplier": 1.0})
@@ -240,6 +248,7 @@ def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
     assert metrics["rounds"][-1]["accuracy"] > metrics["initial"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_target_epsilon_calibrates_sigma_and_is_met(tmp_path):
     metrics = _run(tmp_path, rounds=4, mechanism="gaussian", **{"target-epsilon": 3.0})
     assert metrics["privacy"]["target_epsilon"] == 3.0

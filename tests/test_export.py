@@ -62,6 +62,7 @@ def _hand_made(tmp_path, model: str, state: dict | None = None):
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_torchscript_reloads_in_a_fresh_process_and_predicts_the_same(trained, tmp_path):
     path = export_model(trained, "torchscript", tmp_path / "out" / "model.pt")
     assert path == tmp_path / "out" / "model.pt"

@@ -75,6 +75,7 @@ def test_baseline_reports_the_epsilon_of_its_releases(tmp_path):
     assert metrics["rounds"][-1]["epsilon"] <= 4.0
 
 
+@pytest.mark.slow
 def test_baseline_takes_fedhogs_dp_fedavg_step(tmp_path):
     """With every client every round (the same cohort) and σ → 0, Flower's wrapper over θ + η·Δ replies
     releases exactly fedhog's θ + η·mean(clip_C(Δ)): the comparison differs in σ and sampling only."""

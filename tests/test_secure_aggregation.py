@@ -229,6 +229,7 @@ def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | Non
 
 
 @pytest.mark.parametrize("sigma", [0.0, 0.5])
+@pytest.mark.slow
 def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound(tmp_path, sigma):
     trusted, trusted_model = _run(tmp_path, "trusted", **{"noise-multiplier": sigma})
     secure, secure_model = _run(tmp_path, "secure", **{"noise-multiplier": sigma, "secure-aggregation": "secagg+"})

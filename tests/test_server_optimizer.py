@@ -93,6 +93,7 @@ def test_settings_reject_bad_values_by_name(field, value):
         ServerOptimizerSettings(**{field: value})
 
 
+@pytest.mark.slow
 def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, fresh_cache):
     """The optimizer's moments travel in the checkpoint: a resumed run ends with the never-stopped run's model."""
 

@@ -336,6 +336,7 @@ def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_parts_import_downwards_and_the_package_keeps_its_names():
     """spec and stats load no runner, report or plots; stats not even torch, Flower or the run config."""
     upper = ("fedhog.sweep.runner", "fedhog.sweep.report", "fedhog.sweep.plots")
@@ -399,6 +400,7 @@ def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_
         (("learning-rate", lr), ("mixing-strength", g)) for lr in (0.001, 0.3) for g in (0.25, 1.0)}
 
 
+@pytest.mark.slow
 def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch, fresh_cache):
     monkeypatch.chdir(tmp_path)  # output = "out" is relative to the working directory
     sweep = load_sweep(_write(tmp_path, TUNED))
@@ -475,6 +477,7 @@ def test_bad_tuning_tables_name_the_key(tmp_path, change, match):
         load_sweep(_write(tmp_path, text))
 
 
+@pytest.mark.slow
 def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch, fresh_cache):
     """A sweep with metrics = "auprc,...": summary.md and the paired tests use each cell's final AUPRC."""
     import pandas as pd
