@@ -429,6 +429,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
     assert not (sweep.output / "tuning.md").exists()  # listing a tuned sweep writes nothing
 
 
+@pytest.mark.slow
 def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatch):
     """[tune] rounds = R: a trial stops after R rounds, with the σ calibrated for the cell's own rounds."""
     from fedhog.privacy.calibration import calibrate_noise_multiplier
