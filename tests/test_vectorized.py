@@ -147,6 +147,7 @@ def test_vectorized_and_in_process_runs_agree(tmp_path, name):
         torch.testing.assert_close(model_v[key], model_i[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_what_cannot_be_batched_runs_client_by_client(tmp_path, caplog):
     config = {"client-dp": "dpsgd", "rounds": 2}
     assert "Opacus" in unbatchable_reason(_config(**config))
@@ -168,6 +169,7 @@ def test_the_vectorized_grid_is_a_cohort_grid_and_answers_discovery():
     assert sorted(grid.partition_of_node.values()) == list(range(config.population))
 
 
+@pytest.mark.slow
 def test_a_round_that_samples_nobody_releases_the_same_noise_on_both_engines(tmp_path):
     # N = 10 at q = 0.1: a round samples nobody with probability 0.35. C = 0.1 keeps the noise std σC/K small:
     # a model drowned in noise (σC/K = 0.5 a coordinate) amplifies float32 reassociation past any tolerance
@@ -180,6 +182,7 @@ def test_a_round_that_samples_nobody_releases_the_same_noise_on_both_engines(tmp
         torch.testing.assert_close(v_model[key], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_vectorized_run_resumes_to_the_never_stopped_result(tmp_path):
     whole, model_whole = _run("vectorized", tmp_path / "whole", rounds=4)
     _run("vectorized", tmp_path / "stopped", rounds=2)
