@@ -85,7 +85,7 @@ def _worst(layers: list[dict[str, float]], kind: str) -> float:
 def _row(activation: str, folders: list[Path]) -> str:
     documents = [json.loads((f / "metrics.json").read_text()) if (f / "metrics.json").is_file() else {}
                  for f in folders]
-    finished = [(f, d) for f, d in zip(folders, documents) if d.get("status") == "finished"]
+    finished = [(f, d) for f, d in zip(folders, documents, strict=True) if d.get("status") == "finished"]
     accuracies = [d["summary"]["final_accuracy"] for _, d in finished]
     if not accuracies:
         return f"| {activation} | – | not finished | | | | |"

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

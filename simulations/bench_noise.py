@@ -60,6 +60,19 @@ def measure(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _candidates(size: int, settings: MechanismSettings, lattice: NoiseLattice, zero_sum: torch.Tensor,
+                consumed: int) -> dict[str, Callable[[], object]]:
+    """The draws a row times, each a call of its own (fresh bits where the real run takes fresh bits)."""
+    return {
+        "randn32": lambda: torch.randn(size),
+        "randn64": lambda: torch.randn(size, dtype=torch.float64),
+        "seeded": lambda: add_noise(zero_sum, settings, lattice, SeededBits(1)),
+        "secure": lambda: add_noise(zero_sum, settings, lattice, SecureBits()),
+        "keystream": lambda: SecureBits().words(consumed),
+        "opacus": lambda: opacus_secure_sampler(size),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 5_000_000])
@@ -80,14 +93,7 @@ def main() -> None:
         counter = _CountingBits(SeededBits(1))
         add_noise(zero_sum, settings, lattice, counter)
         consumed = counter.count
-        candidates = {
-            "randn32": lambda: torch.randn(size),
-            "randn64": lambda: torch.randn(size, dtype=torch.float64),
-            "seeded": lambda: add_noise(zero_sum, settings, lattice, SeededBits(1)),
-            "secure": lambda: add_noise(zero_sum, settings, lattice, SecureBits()),
-            "keystream": lambda: SecureBits().words(consumed),
-            "opacus": lambda: opacus_secure_sampler(size),
-        }
+        candidates = _candidates(size, settings, lattice, zero_sum, consumed)
         median = measure(candidates, args.repeats)
         base = median["randn64"]
         cells = [f"{median[name] * 1e3:.1f} ms ({median[name] / base:.2f}×)" for name in candidates]

@@ -108,7 +108,8 @@ def main() -> None:
     for r in rows:
         t = trusted[r["cohort"]]
         print(f"| {r['cohort']} | {'trusted' if r['mode'] == 'off' else r['mode']} | {r['seconds']:.2f} | "
-              f"{r['seconds'] / t['seconds']:.1f} | {r['upload_bytes']:,.0f} | {r['upload_bytes'] / t['upload_bytes']:.2f} | "
+              f"{r['seconds'] / t['seconds']:.1f} | {r['upload_bytes']:,.0f} | "
+              f"{r['upload_bytes'] / t['upload_bytes']:.2f} | "
               f"{r['download_bytes']:,.0f} | {r['download_bytes'] / t['download_bytes']:.2f} |")
 
 

@@ -33,7 +33,8 @@ def run(optimizer: str, learning_rate: float, seed: int, args: argparse.Namespac
     torch.manual_seed(seed)
     model = build_model(args.model, *dataset_info(spec))
     epochs = max(1, -(-args.steps * args.batch_size // len(train)))
-    subset = type(train)(train.x[: args.steps * args.batch_size // epochs], train.y[: args.steps * args.batch_size // epochs])
+    used = args.steps * args.batch_size // epochs
+    subset = type(train)(train.x[:used], train.y[:used])
     started = time.perf_counter()
     local = train_locally(model, subset, epochs, args.batch_size, learning_rate, 0.0, seed, optimizer)
     seconds = (time.perf_counter() - started) / local.steps
@@ -69,7 +70,8 @@ def main() -> None:
     sgd_seconds = summarise(best["sgd"][1], "seconds_per_step")[0]
     print(f"\nMNIST-1D, {args.model}, {args.steps} steps of batch {args.batch_size}, {args.seeds} seeds "
           "(mean ± std), best learning rate of the grid per optimizer\n")
-    print("| optimizer | learning rate (max step) | final training loss | test accuracy | time per step vs SGD | steps at the cubic minimiser |")
+    print("| optimizer | learning rate (max step) | final training loss | test accuracy | time per step vs SGD "
+          "| steps at the cubic minimiser |")
     print("|---|---|---|---|---|---|")
     for optimizer, (lr, runs) in best.items():
         loss, accuracy = summarise(runs, "loss"), summarise(runs, "accuracy")

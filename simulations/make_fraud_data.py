@@ -38,7 +38,7 @@ def make_fraud_table(banks: int = 50, rows: int = 50_000, seed: int = 0) -> pd.D
     counts = np.maximum(100, np.round(sizes / sizes.sum() * rows)).astype(int)
     rates = np.clip(rng.lognormal(np.log(0.02), 0.6, banks), 0.005, 0.05)
     frames = []
-    for bank, (n, rate) in enumerate(zip(counts, rates)):
+    for bank, (n, rate) in enumerate(zip(counts, rates, strict=True)):
         amount_shift, distance_shift = rng.normal(0, 0.3), rng.normal(0, 0.3)
         hour = rng.integers(0, 24, n)
         channel = rng.choice(3, n, p=[0.6, 0.3, 0.1])
@@ -54,7 +54,7 @@ def make_fraud_table(banks: int = 50, rows: int = 50_000, seed: int = 0) -> pd.D
                  + 1.2 * risky * (amount > np.exp(4.5)) + 0.5 * night + 0.35 * np.log1p(distance)
                  + 0.8 * (velocity >= 3) * (age < 180) + 0.25 * velocity - 0.4 * (channel == 0)
                  + rng.normal(0, 0.3, n))
-        intercept = brentq(lambda a: expit(a + score).mean() - rate, -40, 40)
+        intercept = brentq(lambda a, score, rate: expit(a + score).mean() - rate, -40, 40, args=(score, rate))
         fraud = (rng.random(n) < expit(intercept + score)).astype(int)
         frames.append(pd.DataFrame({
             "bank": f"bank-{bank:02d}", "amount": amount, "hour": hour, "merchant_category": category,

@@ -147,7 +147,7 @@ def test_subsampled_pair_has_the_privacy_profile_of_one_subsampled_gaussian():
     centred, uncentred = present_2d(0.5), present_2d(1.0)
     for epsilon in (0.02, 0.1, 0.15):  # the remove direction is 0 beyond log(1/(1 − q)) ≈ 0.22
         for forward in (True, False):
-            def delta(present, absent, cell):
+            def delta(present, absent, cell, epsilon=epsilon, forward=forward):
                 return _hockey_stick(present, absent, epsilon, cell) if forward else \
                     _hockey_stick(absent, present, epsilon, cell)
 

@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
+from helpers import read_metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedhog import protocol
-from fedhog.checkpoint import CHECKPOINT, load_checkpoint
+from fedhog.checkpoint import CHECKPOINT
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
 from fedhog.engine import InProcessGrid, run_in_process
@@ -38,11 +37,7 @@ from fedhog.strategy import SecureAggregator
 
 SMALL = {"dataset": "digits", "model": "logreg", "population": 6, "sampling-rate": 0.5, "rounds": 3,
          "partitioner": "iid", "mechanism": "hog", "noise-multiplier": 1.0, "clipping-norm": 1.0}
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 # --- finding 1: the key of the noise --------------------------------------------------------
@@ -87,9 +82,10 @@ def test_secure_streams_cannot_be_saved():
 def _run(tmp_path, **overrides) -> tuple[RunConfig, dict]:
     config = RunConfig().with_overrides({**SMALL, **overrides, "results-dir": str(tmp_path)})
     run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return config, json.loads((tmp_path / "metrics.json").read_text())
+    return config, read_metrics(tmp_path)
 
 
+@pytest.mark.slow
 def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, caplog):
     """Run with OS randomness, adaptive clipping and mixing; record every key drawn; scrape every file."""
     keys = []
@@ -115,6 +111,7 @@ def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, ca
             assert not any(needle in hay for hay in haystacks)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_the_model_the_accountant_and_diagnostics_only(tmp_path):
     _run(tmp_path, **{"adaptive-clipping": True, "count-noise-std": 2.0})
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
@@ -154,13 +151,6 @@ def test_resuming_one_checkpoint_twice_draws_fresh_noise_each_time(tmp_path):
 NODES = [17, 4, 903, 56]
 SHAPES = {"w": (3, 4), "b": (4,)}
 NUMEL = 16
-
-
-@pytest.fixture
-def server_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", SUPERLINK_NODE_ID)
 
 
 def _record(flat: np.ndarray) -> ArrayRecord:

@@ -19,9 +19,9 @@ import torch
 from scipy.stats import binom
 
 from fedhog.auditing import harness, runner
-from fedhog.privacy.audit import attacks, bounds
 from fedhog.config import ConfigError
 from fedhog.privacy import mechanism
+from fedhog.privacy.audit import attacks, bounds
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -100,7 +100,7 @@ def test_the_gdp_estimate_is_read_at_the_tests_own_threshold_not_the_luckiest_on
     hits = len(inside) - np.searchsorted(inside, candidates)
     falses = len(outside) - np.searchsorted(outside, candidates)
     usable = (hits >= 100) & (falses >= 100)
-    largest = max(bounds.gdp_mu(h / len(inside), f / len(outside)) for h, f in zip(hits[usable], falses[usable]))
+    largest = max(bounds.gdp_mu(h / len(inside), f / len(outside)) for h, f in zip(hits[usable], falses[usable], strict=True))
     assert largest > mu + 0.5
 
     observation = attacks.Observation(scores[None], np.zeros((1, n)), np.array([shift]), labels, 1.0, "add-remove")
@@ -302,7 +302,7 @@ def test_clients_adding_a_hundredth_of_their_noise_share_is_flagged():
 def test_bad_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="runs=0"):
         small_audit(runs=0)
-    with pytest.raises(ConfigError, match="mechanism='none'.*no DP guarantee"):
+    with pytest.raises(ConfigError, match=r"mechanism='none'.*no DP guarantee"):
         small_audit(config={"mechanism": "none", "target-epsilon": 0.0})
     with pytest.raises(ConfigError, match="threat-model='everything'"):
         small_audit(threat_model="everything")

@@ -41,6 +41,7 @@ def test_pld_needs_less_noise_than_rdp_and_tighter_budgets_need_more():
     assert calibrate_noise_multiplier(3.0, DELTA, 100, "poisson", 0.1, N, "pld", 0.01) > pld / 0.99
 
 
+@pytest.mark.slow
 def test_fixed_size_calibrates_twice_the_replace_one_accountant_sigma():
     tol = 0.05  # the relations below are exact at any tolerance
     fixed = calibrate_noise_multiplier(3.0, DELTA, 20, "fixed", 0.1, N, "rdp", tol)
@@ -78,5 +79,5 @@ def test_bad_arguments_are_named(name, value):
 
 
 def test_pld_cannot_calibrate_sampling_without_replacement():
-    with pytest.raises(ValueError, match="accountant='pld'.*without-replacement"):
+    with pytest.raises(ValueError, match=r"accountant='pld'.*without-replacement"):
         calibrate_event_noise_multiplier(3.0, DELTA, 10, privacy_config("fixed", N, DELTA), 100, "pld")

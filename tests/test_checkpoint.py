@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from helpers import read_metrics, set_args, wait_for_checkpoint
 
 from fedhog.checkpoint import CHECKPOINT, PREVIOUS, Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 
@@ -47,7 +46,7 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_the_previous_stays(tmp_path, 
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no checkpoint.pt"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint.pt"):
         load_checkpoint(tmp_path)
 
 
@@ -61,10 +60,7 @@ def _command(env, *args: str, results) -> subprocess.Popen:
 
 
 def _settings(results) -> list[str]:
-    out = []
-    for setting in SETTINGS + [f"results-dir=\"{results}\""]:
-        out += ["--set", setting]
-    return out
+    return set_args(*SETTINGS, f'results-dir="{results}"')
 
 
 @pytest.fixture(scope="module")
@@ -79,21 +75,14 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["kill", "int", "term"])
 def test_a_killed_run_resumes_to_the_same_result(tmp_path, uninterrupted, signum):
     whole, env = uninterrupted
     broken = tmp_path / "broken"
 
     victim = _command(env, *_settings(broken), results=broken)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # kill it once two rounds are checkpointed
-        try:
-            if load_checkpoint(broken).round >= 2:
-                break
-        except CheckpointError:
-            pass
-        assert victim.poll() is None, victim.communicate()[0]
-        time.sleep(0.05)
+    wait_for_checkpoint(victim, broken, 2)  # kill it once two rounds are checkpointed
     victim.send_signal(signum)
     output = victim.communicate(timeout=120)[0]
     killed_after = load_checkpoint(broken).round
@@ -102,14 +91,14 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, uninterrupted, signum
         assert victim.returncode == 128 + signum, output
         assert "terminate called" not in output and "Traceback" not in output, output
         assert f"continue with: fedhog run --resume {broken}" in " ".join(output.split()), output
-        assert json.loads((broken / "metrics.json").read_text())["status"] == "interrupted"
+        assert read_metrics(broken)["status"] == "interrupted"
         assert load_checkpoint(broken).round == killed_after  # no round lost by the interrupt itself
 
     resumed = _command(env, "--resume", str(broken), results=broken)
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
 
-    a = json.loads((whole / "metrics.json").read_text())
-    b = json.loads((broken / "metrics.json").read_text())
+    a = read_metrics(whole)
+    b = read_metrics(broken)
     assert b["resumed_after_round"] == killed_after
     assert [r["round"] for r in b["rounds"]] == list(range(1, 7))
     assert b["summary"]["epsilon"] == pytest.approx(a["summary"]["epsilon"], rel=1e-12)

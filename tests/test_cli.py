@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, set_args
 
 from fedhog import cli
 from fedhog.config import ConfigError, RunConfig
 from fedhog.results import RUN_FILES, ResultsWriter, claim_results_dir, config_to_toml
 
 TINY = ["dataset=digits", "model=logreg", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
-
-
-def _sets(*settings: str) -> list[str]:
-    return [part for setting in settings for part in ("--set", setting)]
 
 
 @pytest.fixture
@@ -48,7 +45,7 @@ def _snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
 
 def _finished_run(directory: Path, engine: str = "inprocess") -> Path:
     """A results folder as a finished `fedhog run --engine <engine>` leaves it."""
-    assert cli.main(["run", "--engine", engine, *_sets(*TINY, f'results-dir="{directory}"')]) == 0
+    assert cli.main(["run", "--engine", engine, *set_args(*TINY, f'results-dir="{directory}"')]) == 0
     (directory / "final_model.pt").write_bytes(b"model")
     (directory / "checkpoint.pt").write_bytes(b"checkpoint")
     return directory
@@ -96,15 +93,15 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, engines, 
 def test_a_new_run_in_a_folder_of_other_files_is_refused(tmp_path, engines, capsys):
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "config.toml").write_text("# the user's own\n")
-    assert cli.main(["run", *_sets(*TINY, f'results-dir="{tmp_path / "project"}"')]) == 2
+    assert cli.main(["run", *set_args(*TINY, f'results-dir="{tmp_path / "project"}"')]) == 2
     assert "a folder with other files (config.toml) and no fedhog run" in _one_error_line(capsys)
-    assert cli.main(["run", "--overwrite", *_sets(*TINY, f'results-dir="{tmp_path / "project"}"')]) == 2
+    assert cli.main(["run", "--overwrite", *set_args(*TINY, f'results-dir="{tmp_path / "project"}"')]) == 2
     assert (tmp_path / "project" / "config.toml").read_text() == "# the user's own\n" and engines == []
 
 
 def test_results_dir_below_a_file_is_one_line(tmp_path, engines, capsys):
     (tmp_path / "file").write_text("")
-    assert cli.main(["run", *_sets(*TINY, f'results-dir="{tmp_path / "file" / "run"}"')]) == 2
+    assert cli.main(["run", *set_args(*TINY, f'results-dir="{tmp_path / "file" / "run"}"')]) == 2
     line = _one_error_line(capsys)
     assert line.startswith("config error: results-dir=") and f"{tmp_path / 'file'} is a file" in line
 
@@ -140,13 +137,13 @@ def test_resume_keeps_the_engine_the_run_started_with(tmp_path, engines, engine)
     assert cli.main(["run", "--resume", str(run)]) == 0
     ((name, config, cpus),) = engines
     assert (name, cpus, config.resume, config.results_dir, config.rounds) == (engine, 2, True, str(run), 3)
-    assert json.loads((run / "metrics.json").read_text())["launch"]["engine"] == engine  # kept by the writer
+    assert read_metrics(run)["launch"]["engine"] == engine  # kept by the writer
 
 
 def test_a_new_run_records_its_engine(tmp_path, engines):
     assert cli.main(["run", "--engine", "inprocess", "--client-cpus", "3",
-                     *_sets(*TINY, f'results-dir="{tmp_path / "run"}"')]) == 0
-    document = json.loads((tmp_path / "run" / "metrics.json").read_text())
+                     *set_args(*TINY, f'results-dir="{tmp_path / "run"}"')]) == 0
+    document = read_metrics(tmp_path / "run")
     assert document["launch"] == {"command": "run", "engine": "inprocess", "client_cpus": 3}
     assert document["status"] == "finished"
 
@@ -178,13 +175,13 @@ def test_a_run_that_failed_before_its_serverapp_started_can_be_resumed(tmp_path,
 
     monkeypatch.setitem(cli.ENGINES, "simulation", cli.Engine("broken", broken, in_process=False))
     run = tmp_path / "run"
-    assert cli.main(["run", "--engine", "simulation", *_sets(*TINY, f'results-dir="{run}"')]) == 1
+    assert cli.main(["run", "--engine", "simulation", *set_args(*TINY, f'results-dir="{run}"')]) == 1
     assert cli.main(["run", "--resume", str(run)]) == 1  # the stored engine: still the broken one
     assert cli.main(["run", "--resume", str(run), "--engine", "inprocess"]) == 2  # and no other
     finishes = cli.ENGINES["inprocess"].run  # the fake that writes a finished run
     monkeypatch.setitem(cli.ENGINES, "simulation", cli.Engine("fixed", finishes, in_process=False))
     assert cli.main(["run", "--resume", str(run)]) == 0
-    assert json.loads((run / "metrics.json").read_text())["status"] == "finished"
+    assert read_metrics(run)["status"] == "finished"
 
 
 def test_resume_of_a_run_that_recorded_nothing_uses_the_given_engine(tmp_path, engines, capsys):
@@ -197,7 +194,7 @@ def test_resume_of_a_run_that_recorded_nothing_uses_the_given_engine(tmp_path, e
 # --- refused up front ---------------------------------------------------------------
 def test_cuda_without_cuda_is_a_config_error_before_anything_runs(tmp_path, engines, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["run", *_sets(*TINY, "device=cuda", f'results-dir="{tmp_path / "run"}"')]) == 2
+    assert cli.main(["run", *set_args(*TINY, "device=cuda", f'results-dir="{tmp_path / "run"}"')]) == 2
     line = _one_error_line(capsys)
     assert "device='cuda' is not allowed on this machine" in line and "expected auto" in line
     assert engines == [] and not (tmp_path / "run").exists()
@@ -210,7 +207,7 @@ def test_a_busy_metrics_port_is_a_config_error(tmp_path, engines, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert cli.main(["run", *_sets(*TINY, f"metrics-port={port}", f'results-dir="{tmp_path / "run"}"')]) == 2
+        assert cli.main(["run", *set_args(*TINY, f"metrics-port={port}", f'results-dir="{tmp_path / "run"}"')]) == 2
     assert f"metrics-port={port} is not allowed" in _one_error_line(capsys) and engines == []
 
 
@@ -219,10 +216,10 @@ def test_sigma_from_the_file_and_target_epsilon_from_set_is_said(tmp_path, engin
     path.write_text("\n".join(s.replace("=", " = ") for s in ["dataset=\"digits\"", "model=\"logreg\"",
                                                                 "population=4", "sampling-rate=0.5",
                                                                 "noise-multiplier=1.3"]) + "\n")
-    assert cli.main(["run", str(path), *_sets("target-epsilon=3.0", f'results-dir="{tmp_path / "a"}"')]) == 0
+    assert cli.main(["run", str(path), *set_args("target-epsilon=3.0", f'results-dir="{tmp_path / "a"}"')]) == 0
     assert "target-epsilon=3.0 (override) replaces noise-multiplier=1.3 of" in capsys.readouterr().err
     assert engines[-1][1].target_epsilon == 3.0
-    assert cli.main(["run", str(path), *_sets("target-epsilon=3.0", "noise-multiplier=1.0",
+    assert cli.main(["run", str(path), *set_args("target-epsilon=3.0", "noise-multiplier=1.0",
                                               f'results-dir="{tmp_path / "b"}"')]) == 2
     assert "are both set" in _one_error_line(capsys)
 
@@ -246,10 +243,10 @@ def test_a_run_whose_every_client_fails_stops_with_their_reason_and_the_epsilon_
     monkeypatch.setattr(cli, "check_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the clients run in this process
     results = tmp_path / "run"
-    code = cli.main(["run", "--engine", "inprocess", *_sets(*TINY, "rounds=3", "sampling-rate=1.0", "device=cuda",
+    code = cli.main(["run", "--engine", "inprocess", *set_args(*TINY, "rounds=3", "sampling-rate=1.0", "device=cuda",
                                                              f'results-dir="{results}"')])
     assert code == 1
-    document = json.loads((results / "metrics.json").read_text())
+    document = read_metrics(results)
     assert document["status"] == "failed" and len(document["rounds"]) == 1  # stopped after the first round
     epsilon = document["rounds"][0]["epsilon"]
     assert math.isfinite(epsilon) and epsilon > 0
@@ -349,7 +346,7 @@ def test_a_serverapp_in_another_process_reports_its_start_up_through_metrics_jso
     writer = ResultsWriter(tmp_path, RunConfig())
     with _stages_into(writer):
         logging.getLogger("fedhog.stage").info("partitioning %d examples among %d clients (iid)…", 100, 4)
-        assert json.loads((tmp_path / "metrics.json").read_text())["stage"].startswith("partitioning 100 examples")
+        assert read_metrics(tmp_path)["stage"].startswith("partitioning 100 examples")
         writer.add_round(RoundRecord(round=1, clients_sampled=2))
         logging.getLogger("fedhog.stage").info("late")
-    assert "stage" not in json.loads((tmp_path / "metrics.json").read_text())
+    assert "stage" not in read_metrics(tmp_path)

@@ -97,8 +97,7 @@ CONFIG = RunConfig().with_overrides({
 
 
 @pytest.fixture
-def grid(tmp_path, monkeypatch) -> InProcessGrid:
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+def grid(fresh_cache) -> InProcessGrid:
     return InProcessGrid(client_app, CONFIG.population, CONFIG.to_mapping())
 
 

@@ -176,16 +176,19 @@ NON_DEFAULT = {
     "metrics": "auprc,accuracy", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
     "classes-per-client": 3, "validation-fraction": 0.0, "server-validation-fraction": 0.1, "proxy-fraction": 0.05,
     "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp", "activation": "silu",
-    "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step", "device": "cpu",
-    "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75, "round-timeout": 45.0, "max-update-norm": 1e3,
+    "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step",
+    "device": "cpu", "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
+    "round-timeout": 45.0, "max-update-norm": 1e3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
-    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True, "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off
+    "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True,
+    "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off
     "client-dp": "none",  # dpsgd excludes optimizer hog-step
     "aggregator": "fedhog",  # flower-dp excludes adaptive clipping, resume, max-update-norm
     "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
     "dpsgd-delta": 1e-6, "dpsgd-accountant": "rdp", "dpsgd-noise": "opacus-secure", "server-optimizer": "yogi",
-    "server-momentum": 0.5, "server-beta2": 0.9, "server-tau": 0.01, "adaptive-clipping": True, "target-quantile": 0.7, "clipping-learning-rate": 0.1,
+    "server-momentum": 0.5, "server-beta2": 0.9, "server-tau": 0.01, "adaptive-clipping": True, "target-quantile": 0.7,
+    "clipping-learning-rate": 0.1,
     "count-noise-std": 2.5, "metrics-port": 9464,
     "secure-aggregation": "off",  # secagg+ excludes adaptive clipping; its own keys still round-trip
     "secagg-num-shares": 5, "secagg-threshold": 0.5, "secagg-modulus-bits": 40,
@@ -237,7 +240,7 @@ def test_client_dp_and_adaptive_clipping_errors_name_the_key(overrides, key):
 def test_noise_multiplier_and_target_epsilon_together_are_refused(tmp_path):
     path = tmp_path / "both.toml"
     path.write_text("noise-multiplier = 1.2\ntarget-epsilon = 3.0\n")
-    with pytest.raises(ConfigError, match="noise-multiplier=1.2 and target-epsilon=3.0 are both set"):
+    with pytest.raises(ConfigError, match=r"noise-multiplier=1.2 and target-epsilon=3.0 are both set"):
         load_config(path)
     with pytest.raises(ConfigError, match="both set"):
         load_config(None, {"noise-multiplier": 1.2, "target-epsilon": 3.0})

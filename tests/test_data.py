@@ -16,13 +16,8 @@ from fedhog.data import (
     validate_spec,
 )
 
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 SPEC = DataSpec(dataset="mnist1d", num_samples=2000, num_partitions=20, seed=0)
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path))
-    return tmp_path
 
 
 def all_clients(spec):
@@ -43,7 +38,7 @@ def label_skew(spec):
     return 0.5 * np.abs(dists - pooled).sum(1).mean()
 
 
-def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(cache_dir):
+def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(fresh_cache):
     load_mnist1d.cache_clear()
     np.random.seed(123)
     random.seed(123)
@@ -52,7 +47,7 @@ def test_mnist1d_generation_keeps_global_rng_and_is_cached_on_disk(cache_dir):
     assert np.array_equal(np.random.get_state()[1], np_state[1])
     assert random.getstate() == py_state
     assert x.shape == (500, 1, 40) and x.dtype == np.float32 and y.dtype == np.int64
-    assert [p.suffix for p in cache_dir.iterdir()] == [".npz"]  # no temp file left behind
+    assert [p.suffix for p in fresh_cache.iterdir()] == [".npz"]  # no temp file left behind
     load_mnist1d.cache_clear()
     x2, y2 = load_mnist1d(500, 7)  # now read from disk
     assert np.array_equal(x, x2) and np.array_equal(y, y2)
@@ -77,7 +72,7 @@ def test_deterministic_for_a_seed(partitioner):
     data._federation.cache_clear()
     again = load_client_data(spec, 3)
     other = load_client_data(replace(spec, seed=1), 3)
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
     assert not np.array_equal(first[0].x[:1], other[0].x[:1])
 
@@ -110,9 +105,9 @@ def test_server_held_sets_are_disjoint_from_clients_and_test_and_cover_the_rest(
 
 
 def test_server_held_sets_refused_for_synthetic_and_when_nothing_is_left():
-    with pytest.raises(ValueError, match="server_validation_fraction=0.1.*synthetic"):
+    with pytest.raises(ValueError, match=r"server_validation_fraction=0.1.*synthetic"):
         validate_spec(replace(SPEC, dataset="synthetic", server_validation_fraction=0.1))
-    with pytest.raises(ValueError, match="server_validation_fraction=0.4.*proxy_fraction < 1 .they sum to 1.1"):
+    with pytest.raises(ValueError, match=r"server_validation_fraction=0.4.*proxy_fraction < 1 .they sum to 1.1"):
         validate_spec(replace(SPEC, server_validation_fraction=0.4, proxy_fraction=0.5))
 
 
@@ -138,7 +133,7 @@ def test_many_small_clients_all_get_training_data():
     spec = replace(SPEC, num_partitions=1000, alpha=0.1, validation_fraction=0.5)
     sizes = [len(t) for t, _ in all_clients(spec)]
     assert min(sizes) >= 1 and sum(sizes) > 0
-    train, val = load_client_data(spec, int(np.argmin(sizes)))
+    _train, val = load_client_data(spec, int(np.argmin(sizes)))
     assert val.x.shape[1:] == (1, 40) and val.y.shape == (len(val),)  # possibly empty
 
 
@@ -178,7 +173,7 @@ def test_synthetic_heterogeneity_grows_with_beta():
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    "field, value",
     [
         ("dataset", "cifar"),
         ("dataset", "synthetic:1"),

@@ -1,4 +1,5 @@
-"""A real local deployment (SuperLink, SuperNodes, `flwr run`) gives the in-process engine's run and leaves nothing behind.
+"""A real local deployment (SuperLink, SuperNodes, `flwr run`) gives the in-process engine's run and leaves
+nothing behind.
 
 Every ClientApp message costs a fresh process here (~6 s for a trivial one, ~10 s
 with fedhog's imports), so the deployments are 2 nodes and 1–2 rounds.
@@ -18,22 +19,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics
 
 from fedhog.config import ConfigError, RunConfig
-from fedhog.deploy import (DeployError, LocalFederation, _check_finished, _last_error, deploy_local,
-                           generate_tls_files, marked_processes)
+from fedhog.deploy import (
+    DeployError,
+    LocalFederation,
+    _check_finished,
+    _last_error,
+    deploy_local,
+    generate_tls_files,
+    marked_processes,
+)
 from fedhog.results import config_to_toml
 
+pytestmark = pytest.mark.usefixtures("private_dirs")  # never ~/.flwr, whatever deploy does
 SETTINGS = {"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 1.0, "rounds": 2,
             "partitioner": "iid", "privacy-seed": 11, "noise-multiplier": 0.5, "clipping-norm": 2.0}
-
-
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path_factory, monkeypatch):
-    base = tmp_path_factory.getbasetemp()
-    monkeypatch.setenv("FEDHOG_CACHE", str(base / "cache"))
-    monkeypatch.setenv("FLWR_HOME", str(base / "flwr-home-unused"))  # never ~/.flwr, whatever deploy does
-    monkeypatch.setenv("RAY_TMPDIR", str(base / "ray"))
 
 
 def _processes_using(workdir: Path) -> list[str]:
@@ -79,12 +81,13 @@ def test_throwaway_certificates_verify_for_127_0_0_1_and_localhost(tmp_path):
         server.start()
         client_context = ssl.create_default_context(cafile=str(files.ca_certfile))
         for host in ("127.0.0.1", "localhost"):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-                with client_context.wrap_socket(raw, server_hostname=host) as tls:
-                    assert tls.recv(2) == b"ok"
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client_context.wrap_socket(raw, server_hostname=host) as tls:
+                assert tls.recv(2) == b"ok"
         server.join(timeout=10)
 
 
+@pytest.mark.subprocess
 def test_stop_ends_detached_grandchildren(tmp_path):
     """Flower detaches its SuperExec and app processes; stop() finds them by the deployment's marker."""
     federation = LocalFederation(1, tmp_path / "work", tmp_path / "logs")
@@ -126,6 +129,7 @@ def test_flwr_cli_errors_are_quoted_from_their_box(tmp_path):
 
 # --- real processes ----------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_deployment_matches_the_inprocess_engine(tmp_path):
     from fedhog.client_app import app as client_app
     from fedhog.engine import run_in_process
@@ -141,7 +145,7 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
                                                                  "supernode-1.log"}
     run_in_process(server_app, client_app, 2, _config(tmp_path, "inprocess").to_mapping())
 
-    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+    deployed, in_process = (read_metrics(tmp_path / name)
                             for name in ("deployed", "inprocess"))
     assert deployed["status"] == in_process["status"] == "finished"
     for a, b in zip(deployed["rounds"], in_process["rounds"], strict=True):
@@ -157,6 +161,7 @@ def test_deployment_matches_the_inprocess_engine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("noise", [{}, {"sampling": "fixed", "noise": "distributed"}], ids=["central", "distributed"])
 def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
     """Each SecAgg+ stage is a message to a fresh flwr-clientapp process: the protocol's keys must survive in
@@ -171,7 +176,7 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
                              timeout=300)
     assert _processes_using(tmp_path / "work") == []
     run_in_process(server_app, client_app, 3, _config(tmp_path, "inprocess", **secure).to_mapping())
-    deployed, in_process = (json.loads((tmp_path / name / "metrics.json").read_text())
+    deployed, in_process = (read_metrics(tmp_path / name)
                             for name in ("deployed", "inprocess"))
     assert deployed["status"] == "finished" and deployed["rounds"][0]["failure"] == ""
     assert deployed["rounds"][0]["clients_accepted"] == in_process["rounds"][0]["clients_accepted"] == 3
@@ -184,10 +189,11 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_round_over_tls(tmp_path):
     directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
                              timeout=300)
-    metrics = json.loads((directory / "metrics.json").read_text())
+    metrics = read_metrics(directory)
     assert metrics["status"] == "finished" and len(metrics["rounds"]) == 1
     assert metrics["rounds"][0]["clients_accepted"] == 2
     assert "https://127.0.0.1:" in (directory / "logs" / "superlink.log").read_text()
@@ -197,6 +203,7 @@ def test_one_round_over_tls(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_during_a_run_leaves_no_process(tmp_path, signum):
     config = _config(tmp_path, "interrupted", rounds=20)

@@ -156,7 +156,7 @@ def test_taylor_without_a_rule_names_the_module():
 
 
 def test_one_signature_style():
-    for f in ENGINE + [third_order_step_size]:
+    for f in [*ENGINE, third_order_step_size]:
         params = inspect.signature(f).parameters
         data = [p for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
         options = [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]

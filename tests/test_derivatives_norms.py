@@ -44,10 +44,7 @@ class Scalar(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.a * x + self.a * self.a * self.w
-        if self.norm == "functional_layer_norm":
-            z = F.layer_norm(z, (z.shape[-1],))
-        else:
-            z = self.norm(z)
+        z = F.layer_norm(z, (z.shape[-1],)) if self.norm == "functional_layer_norm" else self.norm(z)
         return torch.tanh(z).flatten(1)
 
 

@@ -39,7 +39,7 @@ def _models() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
     return {
         "mlp": (nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Sigmoid(), nn.Linear(6, 3)), (5,)),
         "cnn": (nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv1d(3, 3, 3), nn.Tanh(), nn.Flatten(),
-                              nn.Linear(12, 3)), (2, 6)),  # fmt: skip
+                              nn.Linear(12, 3)), (2, 6)),
         "matmul": (MatmulBothSides(), (4, 5)),
     }
 

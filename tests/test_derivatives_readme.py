@@ -20,7 +20,7 @@ def test_the_pages_snippet_runs_as_written():
     snippets = _section_snippets()
     assert snippets, "the section has a python example"
     namespace: dict = {}
-    exec(compile(snippets[0], str(PAGE), "exec"), namespace)  # noqa: S102 - our own docs
+    exec(compile(snippets[0], str(PAGE), "exec"), namespace)
     model, res, d = namespace["model"], namespace["res"], namespace["d"]
     # direction and res.vector are dicts keyed by parameter name
     assert set(res.vector) == {name for name, _ in model.named_parameters()} == set(namespace["direction"])

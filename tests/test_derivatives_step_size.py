@@ -32,7 +32,7 @@ def test_cubic_step_is_the_global_minimiser_on_the_interval(d1, d2, d3, max_step
     # reference: the lowest φ among the real critical points in (0, max_step] and the end point
     roots = np.roots([d3 / 2, d2, d1]) if d3 != 0 else np.array([-d1 / d2]) if d2 != 0 else np.array([])
     critical = [r.real for r in np.atleast_1d(roots) if abs(r.imag) < 1e-9 * max(1, abs(r)) and 0 < r.real <= max_step]
-    best = min(_phi(d1, d2, d3, s) for s in critical + [max_step])
+    best = min(_phi(d1, d2, d3, s) for s in [*critical, max_step])
     scale = abs(d1) * max_step + abs(d2) * max_step**2 + abs(d3) * max_step**3
     assert _phi(d1, d2, d3, res.step) <= best + 1e-9 * scale
     # and no point of a fine grid is lower
@@ -75,7 +75,7 @@ def test_step_is_exact_line_search_for_a_quadratic_loss():
 
     def phi(s: float) -> float:
         with torch.no_grad():
-            g = {k: v for k, v in gradient(model, x, y, loss="mse").vector.items()}
+            g = dict(gradient(model, x, y, loss="mse").vector)
             out = torch.func.functional_call(model, {k: p - s * g[k] for k, p in model.named_parameters()}, (x,))
             return float(mse(out, y))
 

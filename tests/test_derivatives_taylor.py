@@ -119,7 +119,7 @@ def test_auto_picks_taylor_and_falls_back_for_unknown_modules():
         program_for(elu)
     res = third_order_vector(elu, x, y, u)
     assert res.method == "torch.func" and res.finite
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no Taylor rule for module"):
         third_order_vector(elu, x, y, u, method="taylor")
     # a callable loss has no series rule either
     assert third_order_vector(model, x, y, v, loss=lambda out, t: (out**4).mean()).method == "torch.func"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from helpers import read_metrics
 from torch import nn
 
 from fedhog.client_app import app as client_app
@@ -79,14 +79,14 @@ SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate":
          "local-epochs": 1, "batch-size": 8, "learning-rate": 0.1, "clipping-norm": 1.0, "privacy-seed": 7}
 
 
-def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, fresh_cache):
     """tanh under heavy noise: growth, the walk and saturation per round, and the warning it deserves."""
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
     noisy = RunConfig().with_overrides({**SMALL, "activation": "tanh", "mechanism": "gaussian",
                                         "noise-multiplier": 20.0, "server-learning-rate": 3.0,
                                         "results-dir": str(tmp_path / "noisy")})
     run_vectorized(server_app, client_app, noisy)
-    rounds = json.loads((tmp_path / "noisy" / "metrics.json").read_text())["rounds"]
+    rounds = read_metrics(tmp_path / "noisy")["rounds"]
     assert len(rounds) == 4
     for record in rounds:
         layers = record["layers"]
@@ -98,6 +98,6 @@ def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, monkeypatch)
 
     quiet = RunConfig().with_overrides({**SMALL, "mechanism": "none", "results-dir": str(tmp_path / "quiet")})
     run_vectorized(server_app, client_app, quiet)
-    record = json.loads((tmp_path / "quiet" / "metrics.json").read_text())["rounds"][-1]
+    record = read_metrics(tmp_path / "quiet")["rounds"][-1]
     assert not any(key.startswith(("walk/", "saturated/")) for key in record["layers"])  # no noise; gelu
     assert record["warnings"] == []

@@ -7,7 +7,6 @@ what the server holds (masked vectors, then a sum that is not the exact one).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -18,7 +17,9 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from helpers import read_metrics
 from scipy import stats
+from test_secure_aggregation import CLIP, DIMENSION, DroppingGrid, _contributions, _secure_app
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -36,7 +37,6 @@ from fedhog.secure_aggregation.quantization import WRAP_STDS, ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
 from fedhog.server_app import app as server_app
 from fedhog.strategy import SecureAggregator
-from test_secure_aggregation import CLIP, DIMENSION, DroppingGrid, _contributions, _secure_app
 
 ALPHA = 1e-6
 DRAWS = 200_000
@@ -186,8 +186,8 @@ def test_the_server_never_unmasks_fewer_than_m_noise_shares():
     content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
     for dropped, fails in ((1, False), (2, True)):
         grid = DroppingGrid(_secure_app(levels), n, {}, drop_at=Stage.COLLECT_MASKED_VECTORS, drop_count=dropped)
-        run = lambda: secure_sum(grid, sorted(grid.contexts), content, DIMENSION,  # noqa: E731
-                                 SecAggSettings(0, 0.66, lattice, CLIP, noise), 10, "1")
+        run = lambda grid=grid: secure_sum(grid, sorted(grid.contexts), content, DIMENSION,  # noqa: E731
+                                           SecAggSettings(0, 0.66, lattice, CLIP, noise), 10, "1")
         if fails:
             with pytest.raises(SecureAggregationFailed, match="the noise of m = 6 clients"):
                 run()
@@ -206,7 +206,7 @@ def _run(tmp_path, name: str, grid_kwargs: dict | None = None, **overrides) -> t
     config = RunConfig().with_overrides(settings)
     grid = DroppingGrid(fedhog_client_app, config.population, config.to_mapping(), **(grid_kwargs or {}))
     server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping()))
-    metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / name)
     return metrics, torch.load(tmp_path / name / "final_model.pt"), grid
 
 
@@ -251,6 +251,7 @@ def test_the_server_unmasks_only_a_noised_sum_and_adds_no_noise(tmp_path, monkey
     assert record["noise_std"] == pytest.approx(math.sqrt(10) * sigma * g / 10, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_metrics_record_the_plan_and_the_epsilon_of_the_ddg_accountant(tmp_path):
     metrics, _, _ = _run(tmp_path, "recorded", rounds=2)
     privacy = metrics["privacy"]
@@ -272,6 +273,7 @@ def test_metrics_record_the_plan_and_the_epsilon_of_the_ddg_accountant(tmp_path)
     assert not any("seed" in key or "key" in key for key in privacy if key != "randomness")
 
 
+@pytest.mark.slow
 def test_dropouts_down_to_m_release_and_below_m_fail_without_spending_epsilon(tmp_path):
     # K = 10, m = ⌈0.66·10⌉ = 7 (and SecAgg's t = 7): three dropouts after key sharing release, four do not
     metrics, _, _ = _run(tmp_path, "three", {"drop_at": Stage.COLLECT_MASKED_VECTORS, "drop_count": 3})

@@ -205,7 +205,7 @@ def test_epsilon_is_opacus_accountant_of_the_poisson_subsampled_gaussian(digits,
     q, steps = batch_size / len(digits), epochs * 10
     assert privacy.steps == steps
     dimension = sum(p.numel() for p in _model().parameters())
-    std_steps, values = privacy.accountant_state["noise_values"]
+    std_steps, _values = privacy.accountant_state["noise_values"]
     assert privacy.accountant_state == {"mechanism": accountant, "history": [[sigma, q, steps]],
                                         "noise_values": [std_steps, dimension]}
     assert 2.0**40 <= std_steps <= 2.0**42  # σ·(C + g√d)/g with g = 2^(⌊log2 σC⌋ − 40)

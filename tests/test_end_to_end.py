@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -9,14 +10,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
+from helpers import read_metrics
 
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_server_validation_set, load_test_set
-from fedhog.models import build_model
-from fedhog.training import evaluate
 from fedhog.engine import run_in_process
+from fedhog.models import build_model
 from fedhog.server_app import app as server_app
+from fedhog.training import evaluate
 
 SMALL = {
     "dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5,
@@ -25,17 +27,16 @@ SMALL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _run(tmp_path, client_app=fedhog_client_app, **overrides) -> dict:
     config = RunConfig().with_overrides({**SMALL, **overrides, "results-dir": str(tmp_path / "run")})
     run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return json.loads((tmp_path / "run" / "metrics.json").read_text())
+    return read_metrics(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_hog_run_learns_and_reports_epsilon(tmp_path):
     metrics = _run(tmp_path)
     rounds = metrics["rounds"]
@@ -54,6 +55,7 @@ def test_hog_run_learns_and_reports_epsilon(tmp_path):
     assert evaluate(model, load_test_set(config.data_spec))[1] == pytest.approx(rounds[-1]["accuracy"])
 
 
+@pytest.mark.slow
 def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(tmp_path):
     metrics = _run(tmp_path, rounds=2, **{"server-validation-fraction": 0.2})
     config = RunConfig().with_overrides({**SMALL, "server-validation-fraction": 0.2})
@@ -66,19 +68,23 @@ def test_server_validation_set_is_evaluated_every_round_apart_from_the_test_set(
     assert all(r["validation_accuracy"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])  # NaN -> null
 
 
+@pytest.mark.slow
 def test_server_step_scales_the_optimizer_step_within_its_bound(tmp_path):
-    rounds = _run(tmp_path, rounds=2, **{"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0})["rounds"]
+    settings = {"proxy-fraction": 0.1, "server-step": "cubic", "server-step-max": 3.0}
+    rounds = _run(tmp_path, rounds=2, **settings)["rounds"]
     assert all(0 <= r["server_step_scale"] <= 3.0 for r in rounds)
     assert any(r["server_step_scale"] not in (0.0, 1.0, 3.0) for r in rounds)  # an interior minimiser was taken
     assert all(r["server_step_scale"] is None for r in _run(tmp_path / "off", rounds=1)["rounds"])
 
 
+@pytest.mark.slow
 def test_fixed_privacy_seed_reproduces_the_run(tmp_path):
     first = _run(tmp_path / "a", rounds=2)
     second = _run(tmp_path / "b", rounds=2)
     assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
 
 
+@pytest.mark.slow
 def test_a_seeded_runs_epsilon_is_labelled_void_and_its_seed_is_not_published(tmp_path):
     seed = 918_273_645_546_372_819
     metrics = _run(tmp_path, rounds=1, **{"privacy-seed": seed})
@@ -145,6 +151,7 @@ def test_malformed_replies_are_dropped_and_the_run_completes(tmp_path):
     assert metrics["summary"]["epsilon"] != "inf"
 
 
+@pytest.mark.slow
 def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
     reference = _run(tmp_path / "ref", rounds=4)
     budget = (reference["rounds"][1]["epsilon"] + reference["rounds"][2]["epsilon"]) / 2
@@ -157,9 +164,9 @@ def test_max_epsilon_stops_before_the_release_that_would_exceed_it(tmp_path):
 @pytest.mark.parametrize("privacy_seed", [-1, 3])  # without and with partition identification
 def test_a_federation_smaller_than_the_population_is_a_clear_error(tmp_path, privacy_seed):
     config = RunConfig().with_overrides({**SMALL, "privacy-seed": privacy_seed, "results-dir": str(tmp_path / "run")})
-    with pytest.raises(RuntimeError, match="population=10 but .*num-supernodes"):
+    with pytest.raises(RuntimeError, match=r"population=10 but .*num-supernodes"):
         run_in_process(server_app, fedhog_client_app, 8, config.to_mapping())
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+    assert read_metrics(tmp_path / "run")["status"] == "failed"
 
 
 def test_identification_keys_sampling_by_partition_id(tmp_path):
@@ -197,10 +204,8 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     seen_rounds, url = [], None
     while runner.is_alive():
         if url is None:
-            try:
-                url = json.loads((tmp_path / "run" / "metrics.json").read_text()).get("metrics_url")
-            except (FileNotFoundError, json.JSONDecodeError):
-                pass
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                url = read_metrics(tmp_path / "run").get("metrics_url")
         if url:
             try:
                 text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -221,6 +226,7 @@ def test_prometheus_endpoint_moves_during_a_run(tmp_path):
     assert final["fedhog_rounds_total"] == 4
 
 
+@pytest.mark.slow
 def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_path):
     fixed = _run(tmp_path / "fixed", rounds=8, **{"clipping-norm": 50.0})
     adaptive = _run(tmp_path / "adaptive", rounds=8, **{"clipping-norm": 50.0, "adaptive-clipping": True,
@@ -232,6 +238,7 @@ def test_adaptive_clipping_tracks_the_norms_and_keeps_the_accounted_sigma(tmp_pa
     assert [r["epsilon"] for r in adaptive["rounds"]] == pytest.approx([r["epsilon"] for r in fixed["rounds"]])
 
 
+@pytest.mark.slow
 def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
     metrics = _run(tmp_path, rounds=3, mechanism="gaussian", **{"client-dp": "dpsgd", "sampling-rate": 1.0,
                                                                 "dpsgd-noise-multiplier": 1.0})
@@ -241,6 +248,7 @@ def test_dpsgd_clients_report_a_growing_record_level_epsilon(tmp_path):
     assert metrics["rounds"][-1]["accuracy"] > metrics["initial"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_target_epsilon_calibrates_sigma_and_is_met(tmp_path):
     metrics = _run(tmp_path, rounds=4, mechanism="gaussian", **{"target-epsilon": 3.0})
     assert metrics["privacy"]["target_epsilon"] == 3.0

@@ -9,7 +9,6 @@ fedhog's own: they run in a private folder and are gone when `fedhog run` exits.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from helpers import read_metrics, set_args
 from tagged import new_tag, tagged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-rate=0.5", "rounds=3",
@@ -31,9 +30,8 @@ SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=6", "sampling-
 
 def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None = None) -> dict:
     """Run `fedhog run` to the end; with ``seen``, collect every process it started (pid -> command, cwd)."""
-    args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine]
-    for setting in settings + [f"results-dir=\"{results}\""]:
-        args += ["--set", setting]
+    args = [sys.executable, "-m", "fedhog.cli", "run", "--engine", engine,
+            *set_args(*settings, f'results-dir="{results}"')]
     tag = new_tag()
     with subprocess.Popen(args, env={**env, **tag}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           cwd=CHECKOUT) as run:
@@ -44,7 +42,7 @@ def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None 
         output = run.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     assert run.returncode == 0, output + _tail(results / "flwr.log")
     assert tagged(tag) == {}, "processes left behind"  # fedhog's SuperLink, SuperExec, flwr-simulation, Ray
-    return json.loads((results / "metrics.json").read_text())
+    return read_metrics(results)
 
 
 def _tail(path) -> str:
@@ -104,7 +102,7 @@ def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env, nois
     """SecAgg+'s client state lives in each node's context between the stages' messages, which the
     Simulation Engine keeps as the in-process engine does: with a fixed privacy seed the clients draw
     the same ξ, roundings and (distributed) noise shares, so both engines unmask the same sums."""
-    settings = SETTINGS + ["secure-aggregation=\"secagg+\"", "mechanism=\"hog\""] + noise
+    settings = [*SETTINGS, "secure-aggregation=\"secagg+\"", "mechanism=\"hog\"", *noise]
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env, settings)
     in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env, settings)
     assert simulated["status"] == in_process["status"] == "finished"

@@ -34,9 +34,7 @@ with torch.no_grad():
 """
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +61,8 @@ def _hand_made(tmp_path, model: str, state: dict | None = None):
     return tmp_path, network.eval()
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_torchscript_reloads_in_a_fresh_process_and_predicts_the_same(trained, tmp_path):
     path = export_model(trained, "torchscript", tmp_path / "out" / "model.pt")
     assert path == tmp_path / "out" / "model.pt"
@@ -104,14 +104,14 @@ def test_every_model_exports_to_both_formats(tmp_path, model):
 
 
 def test_missing_results_folder(tmp_path):
-    with pytest.raises(ExportError, match="has no config.toml"):
+    with pytest.raises(ExportError, match=r"has no config.toml"):
         export_model(tmp_path / "nowhere", "torchscript")
 
 
 def test_unfinished_run(tmp_path):
-    directory, network = _hand_made(tmp_path, "logreg")
+    directory, _network = _hand_made(tmp_path, "logreg")
     (directory / "final_model.pt").rename(directory / "checkpoint.pt")
-    with pytest.raises(ExportError, match="no final_model.pt .*did not finish"):
+    with pytest.raises(ExportError, match=r"no final_model.pt .*did not finish"):
         export_model(directory, "torchscript")
 
 
@@ -125,7 +125,7 @@ def test_corrupt_weights(tmp_path, damage):
         weights.write_bytes(weights.read_bytes()[:200])
     else:
         torch.save([1, 2, 3], weights)
-    with pytest.raises(ExportError, match="final_model.pt (is not a readable state dict|holds a list)"):
+    with pytest.raises(ExportError, match=r"final_model.pt (is not a readable state dict|holds a list)"):
         export_model(directory, "state-dict")
 
 
@@ -167,7 +167,7 @@ def test_a_model_module_that_cannot_be_imported_here_is_one_line(tmp_path, monke
 def test_a_folder_from_before_the_activation_key_rebuilds_its_tanh_model(tmp_path):
     """config.toml without `activation` was written when every built-in model used tanh: exporting it must not
     silently load tanh-trained weights into the new default activation."""
-    folder, network = _hand_made(tmp_path / "legacy", "mlp")
+    folder, _network = _hand_made(tmp_path / "legacy", "mlp")
     text = (folder / "config.toml").read_text()
     (folder / "config.toml").write_text("\n".join(line for line in text.splitlines()
                                                   if not line.startswith("activation")) + "\n")

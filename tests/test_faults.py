@@ -9,20 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import read_metrics
 
 from fedhog.checkpoint import CheckpointError, load_checkpoint
 from fedhog.config import RunConfig
 from fedhog.deploy import deploy_local
 from fedhog.privacy.accounting import ClientLevelAccountant
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _private_dirs(tmp_path_factory, monkeypatch):
-    base = tmp_path_factory.getbasetemp()
-    monkeypatch.setenv("FEDHOG_CACHE", str(base / "cache"))
-    monkeypatch.setenv("RAY_TMPDIR", str(base / "ray"))
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.usefixtures("private_dirs")]
 
 
 def _supernode_pid(flwr_home: Path, partition: int) -> int:
@@ -69,8 +63,7 @@ def test_a_supernode_killed_mid_run_is_recorded_and_the_run_completes(tmp_path):
     runner.join(timeout=600)
     assert "error" not in outcome, outcome.get("error")
 
-    import json
-    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / "run")
     assert metrics["status"] == "finished" and len(metrics["rounds"]) == 3
     last = metrics["rounds"][-1]
     assert last["clients_sampled"] == 3 and last["clients_accepted"] == 2  # the dead node's slot is recorded

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from dp_accounting import dp_event, rdp
 from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
+from helpers import read_run
 
 from fedhog.client_app import app as client_app
 from fedhog.config import ConfigError, RunConfig
@@ -26,15 +25,13 @@ SMALL = {"dataset": "digits", "model": "logreg", "population": 8, "sampling-rate
          "partitioner": "iid", "privacy-seed": 3}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _run(directory, **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
     config = RunConfig().with_overrides({**SMALL, **overrides, "results-dir": str(directory)})
     run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return json.loads((directory / "metrics.json").read_text()), torch.load(directory / "final_model.pt")
+    return read_run(directory)
 
 
 @pytest.mark.parametrize("key, value", [("mechanism", "hog"), ("sampling", "poisson"), ("accountant", "pld"),
@@ -78,6 +75,7 @@ def test_baseline_reports_the_epsilon_of_its_releases(tmp_path):
     assert metrics["rounds"][-1]["epsilon"] <= 4.0
 
 
+@pytest.mark.slow
 def test_baseline_takes_fedhogs_dp_fedavg_step(tmp_path):
     """With every client every round (the same cohort) and σ → 0, Flower's wrapper over θ + η·Δ replies
     releases exactly fedhog's θ + η·mean(clip_C(Δ)): the comparison differs in σ and sampling only."""

@@ -4,8 +4,6 @@ aggregation with a reason that says why."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp

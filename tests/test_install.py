@@ -7,7 +7,6 @@ Installing fedhog's dependencies into a new venv takes 2–3 minutes (from this 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from helpers import read_metrics
 from tagged import new_tag, tagged
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
 TINY = ["dataset=digits", "model=logreg", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
 
@@ -70,7 +69,7 @@ def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_
         done = subprocess.run(command, env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (results,) = (elsewhere / "results").iterdir()
-    metrics = json.loads((results / "metrics.json").read_text())
+    metrics = read_metrics(results)
     assert metrics["status"] == "finished" and len(metrics["rounds"]) == 2
     assert metrics["config"]["server-optimizer"] == "momentum"  # the quickstart's, not the default "sgd"
     assert metrics["launch"] == {"command": "run", "engine": "simulation", "client_cpus": 1}

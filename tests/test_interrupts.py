@@ -4,7 +4,6 @@ command exits 130 / 143 with the resume hint, the folder keeps a valid checkpoin
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, set_args, wait_for_checkpoint
 
 from fedhog import checkpoint as checkpoint_module
 from fedhog import cli, interrupts
@@ -60,12 +60,11 @@ def test_the_previous_checkpoint_is_a_copy_not_the_current_file_moved(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_inside_a_deferred_block_is_raised_when_it_ends(signum):
     reached_end = False
-    with interrupts.handled():
-        with pytest.raises((KeyboardInterrupt, SystemExit)) as raised:
-            with interrupts.deferred():
-                os.kill(os.getpid(), signum)
-                time.sleep(0.05)  # the handler runs here, and must not raise
-                reached_end = True
+    # the statements are the point: the signal must be raised when the deferred block ends, not inside it
+    with interrupts.handled(), pytest.raises((KeyboardInterrupt, SystemExit)) as raised, interrupts.deferred():  # noqa: PT012
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)  # the handler runs here, and must not raise
+        reached_end = True
     assert reached_end and interrupts.interrupt_exit_code(raised.value) == CODES[signum]
 
 
@@ -76,13 +75,13 @@ def test_other_exceptions_are_not_interrupts():
 
 # --- whole runs, in this process ---------------------------------------------------------
 def _sets(results: Path) -> list[str]:
-    return [part for setting in SETTINGS + [f'results-dir="{results}"'] for part in ("--set", setting)]
+    return set_args(*SETTINGS, f'results-dir="{results}"')
 
 
 class _LateSignals:
     """Record SIGINT/SIGTERM instead of raising, around a run: a timer that fires after the run ended is harmless."""
 
-    def __enter__(self) -> "_LateSignals":
+    def __enter__(self) -> _LateSignals:
         self.seen: list[int] = []
         self.previous = {s: signal.signal(s, lambda signum, frame: self.seen.append(signum))
                          for s in interrupts.SIGNALS}
@@ -119,8 +118,8 @@ def _interrupted_run(engine: str, results: Path, signum: int, delay: float, caps
 
 
 def _same_results(reference: Path, resumed: Path) -> None:
-    a = json.loads((reference / "metrics.json").read_text())
-    b = json.loads((resumed / "metrics.json").read_text())
+    a = read_metrics(reference)
+    b = read_metrics(resumed)
     assert b["status"] == "finished"
     assert [r["round"] for r in b["rounds"]] == [r["round"] for r in a["rounds"]]
     assert [r["accuracy"] for r in b["rounds"]] == [r["accuracy"] for r in a["rounds"]]
@@ -135,7 +134,7 @@ def _check_interrupted(results: Path, code: int, err: str, signum: int) -> int:
     assert code == CODES[signum], err
     assert "Traceback" not in err, err
     assert f"continue with: fedhog run --resume {results}" in " ".join(err.split()), err
-    document = json.loads((results / "metrics.json").read_text())
+    document = read_metrics(results)
     assert document["status"] == "interrupted"
     leftovers = [p.name for p in results.iterdir() if p.name.startswith(".")]
     assert leftovers == [], leftovers
@@ -191,7 +190,7 @@ def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one
         results = tmp_path / f"attempt-{attempt}"
         signum = rng.choice(interrupts.SIGNALS)
         code, err, fired = _interrupted_run(engine, results, signum, rng.uniform(0, duration), capsys)
-        finished = json.loads((results / "metrics.json").read_text())["status"] == "finished"
+        finished = read_metrics(results)["status"] == "finished"
         if not fired or finished:  # the run finished first (or the signal came while its summary was printed)
             assert code == (CODES[signum] if fired else 0), err
             _same_results(reference, results)
@@ -204,6 +203,7 @@ def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_ctrl_c_on_the_simulation_engine_keeps_only_the_runs_own_rounds(tmp_path, capsys, one_thread):
     """Flower's engine: the clients die before the ServerApp on Ctrl-C; the round they were in must not be kept
     (it used to be recorded and checkpointed as 'every sampled client failed', and the resume diverged)."""
@@ -220,27 +220,19 @@ def test_ctrl_c_on_the_simulation_engine_keeps_only_the_runs_own_rounds(tmp_path
         command = [sys.executable, "-m", "fedhog.cli", "run", "--engine", "simulation"]
         victim = subprocess.Popen([*command, *_sets(broken)], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:  # interrupt once a round is checkpointed
-            try:
-                if load_checkpoint(broken).round >= 1:
-                    break
-            except CheckpointError:
-                pass
-            assert victim.poll() is None, victim.communicate()[0]
-            time.sleep(0.1)
+        wait_for_checkpoint(victim, broken, 1, poll=0.1)  # interrupt once a round is checkpointed
         victim.send_signal(signal.SIGINT)
         output = victim.communicate(timeout=120)[0]
         kept = _check_interrupted(broken, victim.returncode, output, signal.SIGINT)
         assert 1 <= kept < 6
-        document = json.loads((broken / "metrics.json").read_text())
+        document = read_metrics(broken)
         assert all(not r["rejections"] for r in document["rounds"]), document["rounds"]
         assert not (broken / ".stop-requested").exists()
         resumed = subprocess.run([*command, "--resume", str(broken)], env=env, capture_output=True, text=True,
                                  timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    a = json.loads((reference / "metrics.json").read_text())
-    b = json.loads((broken / "metrics.json").read_text())
+    a = read_metrics(reference)
+    b = read_metrics(broken)
     assert b["resumed_after_round"] == kept
     assert [r["clients_accepted"] for r in b["rounds"]] == [r["clients_accepted"] for r in a["rounds"]]
     assert [r["epsilon"] for r in b["rounds"]] == pytest.approx([r["epsilon"] for r in a["rounds"]], rel=1e-12)

@@ -138,8 +138,10 @@ def test_large_sigma_matches_the_normal_and_resolves_single_steps_near_its_mean(
 
 
 def test_draws_differ_under_os_entropy_and_repeat_under_a_seed():
-    assert not np.array_equal(discrete_gaussian(SecureBits(), 100, 2.0**40), discrete_gaussian(SecureBits(), 100, 2.0**40))
-    assert np.array_equal(lattice_gaussian(SeededBits(3), 5000, 2.0**40), lattice_gaussian(SeededBits(3), 5000, 2.0**40))
+    assert not np.array_equal(discrete_gaussian(SecureBits(), 100, 2.0**40),
+                              discrete_gaussian(SecureBits(), 100, 2.0**40))
+    assert np.array_equal(lattice_gaussian(SeededBits(3), 5000, 2.0**40),
+                          lattice_gaussian(SeededBits(3), 5000, 2.0**40))
 
 
 @pytest.mark.parametrize("sigma", [0.0, -1.0, math.inf, math.nan, 2.0**47])
@@ -156,7 +158,7 @@ def test_bernoulli_compares_an_unbounded_uniform_with_the_float():
     next_digits = math.floor((0.3 * 2.0**32 - whole) * 2.0**32)
     assert bernoulli(Rigged([whole - 1]), p)[0]
     assert not bernoulli(Rigged([whole + 1]), p)[0]
-    assert 0 < next_digits  # a tie reads the next 32 bits against p's next digits
+    assert next_digits > 0  # a tie reads the next 32 bits against p's next digits
     assert bernoulli(Rigged([whole], rest=next_digits - 1), p)[0]
     assert not bernoulli(Rigged([whole], rest=next_digits + 1), p)[0]
     quarter = np.array([0.25])  # p·2³² is whole: a tie means U ≥ p, nothing more is read

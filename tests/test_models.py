@@ -18,7 +18,7 @@ def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize(("name", "data"), PAIRS)
+@pytest.mark.parametrize("name, data", PAIRS)
 def test_output_shape(name, data):
     shape = SHAPES[data]
     model = build_model(name, shape, 10)
@@ -30,7 +30,7 @@ def test_cnns_accept_inputs_without_channel_axis():
     assert build_model("cnn2d", (1, 8, 8), 10)(torch.randn(2, 8, 8)).shape == (2, 10)
 
 
-@pytest.mark.parametrize(("name", "data"), PAIRS)
+@pytest.mark.parametrize("name, data", PAIRS)
 def test_parameter_counts_small(name, data):
     n = num_params(build_model(name, SHAPES[data], 10))
     assert 0 < n < 20_000
@@ -84,7 +84,7 @@ def test_unknown_name_error():
     assert "'resnet'" in message and all(name in message for name in MODELS)
 
 
-@pytest.mark.parametrize(("name", "shape"), [("cnn1d", (1, 8, 8)), ("cnn1d", (10,)), ("cnn2d", (60,))])
+@pytest.mark.parametrize("name, shape", [("cnn1d", (1, 8, 8)), ("cnn1d", (10,)), ("cnn2d", (60,))])
 def test_incompatible_input_shape_error(name, shape):
     with pytest.raises(ValueError, match="model: input"):
         build_model(name, shape, 10)
@@ -116,7 +116,7 @@ def test_tanh_builds_the_earlier_cnn1d_bit_for_bit():
     torch.manual_seed(5)
     new = build_model("cnn1d", (1, 40), 10, activation="tanh")
     assert list(old.state_dict()) == list(new.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values(), strict=True))
     x = torch.randn(7, 1, 40)
     assert torch.equal(old(x), new(x))
 

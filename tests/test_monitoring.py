@@ -55,10 +55,10 @@ def scrape(port: int) -> str:
 
 def round_record(n: int, **overrides) -> RoundRecord:
     """A synthetic round: 5 sampled, 3 accepted, 1 rejected as non-finite, 1 silent."""
-    fields = dict(round=n, clients_sampled=5, clients_accepted=3, clients_rejected=1,
-                  rejections={NON_FINITE_TERM: 1}, epsilon=0.25 * n, seconds=0.75,
-                  accuracy=0.5 + 0.1 * n, loss=2.0 / n, train_loss=1.5 / n,
-                  third_order_seconds_max=0.02 * n, third_order_failures=1)
+    fields = {"round": n, "clients_sampled": 5, "clients_accepted": 3, "clients_rejected": 1,
+              "rejections": {NON_FINITE_TERM: 1}, "epsilon": 0.25 * n, "seconds": 0.75,
+              "accuracy": 0.5 + 0.1 * n, "loss": 2.0 / n, "train_loss": 1.5 / n,
+              "third_order_seconds_max": 0.02 * n, "third_order_failures": 1}
     fields.update(overrides)
     return RoundRecord(**fields)
 
@@ -166,7 +166,8 @@ def test_nan_figures_leave_gauges_and_histograms_alone():
 
 def test_metric_records_are_accepted_as_client_metrics():
     metrics = ServerMetrics()
-    record = MetricRecord({"num-examples": 3, "third-order-seconds": 0.2, PEAK_MEMORY_KEY: 123, PEAK_MEMORY_CUDA_KEY: 0})
+    record = MetricRecord({"num-examples": 3, "third-order-seconds": 0.2, PEAK_MEMORY_KEY: 123,
+                           PEAK_MEMORY_CUDA_KEY: 0})
     metrics.observe_round(round=1, clients_sampled=1, clients_accepted=1, client_metrics=[record])
     parsed = samples(metrics.exposition())
     assert value(parsed, "fedhog_third_order_seconds_count") == 1
@@ -294,9 +295,8 @@ def test_measure_peak_memory_on_cpu_reads_the_process_peak_rss():
 
 
 def test_measure_peak_memory_is_set_even_when_the_block_raises():
-    with pytest.raises(ZeroDivisionError):
-        with measure_peak_memory("cpu") as peak:
-            1 / 0
+    with pytest.raises(ZeroDivisionError), measure_peak_memory("cpu") as peak:
+        raise ZeroDivisionError("the block raises")
     assert peak.bytes > 0 and peak.source == "rss"
 
 

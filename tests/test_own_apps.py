@@ -22,7 +22,8 @@ def _apps(config: RunConfig, rounds: int, finished: dict) -> tuple[ServerApp, Cl
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         partition = int(context.node_config["partition-id"])
-        update = {k: torch.full_like(v, partition + 1.0) for k, v in msg.content["arrays"].to_torch_state_dict().items()}
+        state = msg.content["arrays"].to_torch_state_dict()
+        update = {k: torch.full_like(v, partition + 1.0) for k, v in state.items()}
         if partition == 3:  # a broken client: no MetricRecord, so the aggregator rejects its reply
             return Message(RecordDict({protocol.UPDATE: ArrayRecord(update)}), reply_to=msg)
         metrics = MetricRecord({protocol.PARTITION_ID: partition, protocol.NUM_EXAMPLES: partition + 1})

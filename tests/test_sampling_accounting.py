@@ -1,5 +1,6 @@
 """Client sampling (statistically) and client-level accounting (against dp_accounting called directly)."""
 
+import itertools
 import json
 import math
 
@@ -10,13 +11,13 @@ from dp_accounting import rdp
 from scipy import stats
 
 from fedhog.privacy.accounting import ClientLevelAccountant, accountant_noise_multiplier
+from fedhog.privacy.randomness import SecureBits, SeededBits, uniform_below
 from fedhog.privacy.sampling import (
     expected_cohort_size,
     fixed_size_sample,
     poisson_sample,
     sample_cohort,
 )
-from fedhog.privacy.randomness import SecureBits, SeededBits, uniform_below
 
 STREAMS = {"seeded": lambda seed: SeededBits(seed), "os": lambda seed: SecureBits()}
 
@@ -140,7 +141,7 @@ def test_poisson_accountant_matches_dp_accounting():
         epsilons.append(accountant.epsilon())
     for t, eps in enumerate(epsilons, start=1):
         assert eps == pytest.approx(direct_poisson_epsilon(sigma, q, t), rel=1e-9)
-    assert all(a < b for a, b in zip(epsilons, epsilons[1:]))
+    assert all(a < b for a, b in itertools.pairwise(epsilons))
     assert accountant.releases == rounds
 
 
@@ -229,5 +230,5 @@ def test_state_dict_round_trip_gives_same_epsilon():
     assert restored.epsilon() == accountant.epsilon()
     assert restored.epsilon() == pytest.approx(direct_fixed_epsilon(sigma / 2, n, 100, 3), rel=1e-9)
     # a checkpoint of a different privacy configuration is refused
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="privacy configuration does not match"):
         ClientLevelAccountant(sigma, "fixed", q, n, 1e-6).load_state_dict(state)

@@ -7,16 +7,16 @@ against exact integer sums, and against the trusted mode's release.
 from __future__ import annotations
 
 import base64
-import json
 import math
 import re
 
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+from helpers import read_metrics
 
 from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
@@ -30,6 +30,7 @@ from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFa
 from fedhog.server_app import app as server_app
 from fedhog.vectorized import unbatchable_reason
 
+pytestmark = pytest.mark.usefixtures("shared_cache")
 DIMENSION = 3000
 CLIP = 2.0
 
@@ -131,7 +132,7 @@ def test_clients_refuse_to_unmask_a_sum_of_fewer_than_their_noise_shares():
         run()
     refusals = [r.error.reason for r in grid.replies if r.has_error()]
     assert refusals and all("unmask a sum of 5 contributions" in e for e in refusals)
-    honest, _, honest_run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
+    _honest, _, honest_run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(2,),
                                      guard=ClientGuard(0.66, 0, cohort=n, min_survivors=5))
     assert honest_run().contributors == 5  # m = 5 survivors: released
 
@@ -196,15 +197,15 @@ def test_dropouts_up_to_the_threshold_still_release_the_survivors_sum(stage):
 
 def test_sparse_secaggplus_graph_releases_the_sum_with_dropouts():
     n = 9  # k = 5 neighbours, t = 3: each neighbourhood tolerates 2 dropouts
-    grid, levels, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(4,), num_shares=5, threshold=0.6)
+    _grid, levels, run = _run_sum(n, drop_at=Stage.COLLECT_MASKED_VECTORS, drop=(4,), num_shares=5, threshold=0.6)
     result = run()
     assert torch.equal(result.levels, torch.from_numpy(sum(levels[i] for i in range(n) if i != 4)))
 
 
 @pytest.mark.parametrize("stage", [Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK])
 def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
-    grid, _, run = _run_sum(7, drop_at=stage, drop=(1, 2, 3))
-    with pytest.raises(SecureAggregationFailed, match="threshold is 5|5 are needed") as failure:
+    _grid, _, run = _run_sum(7, drop_at=stage, drop=(1, 2, 3))
+    with pytest.raises(SecureAggregationFailed, match=r"threshold is 5|5 are needed") as failure:
         run()
     assert len(failure.value.dropped) == 3
 
@@ -223,16 +224,12 @@ def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | Non
         grids.append(grid)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config.to_mapping())
     server_app(grid, context)
-    metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / name)
     return metrics, torch.load(tmp_path / name / "final_model.pt")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-
-
 @pytest.mark.parametrize("sigma", [0.0, 0.5])
+@pytest.mark.slow
 def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound(tmp_path, sigma):
     trusted, trusted_model = _run(tmp_path, "trusted", **{"noise-multiplier": sigma})
     secure, secure_model = _run(tmp_path, "secure", **{"noise-multiplier": sigma, "secure-aggregation": "secagg+"})
@@ -243,7 +240,6 @@ def test_the_secure_release_equals_the_trusted_one_within_the_quantisation_bound
     assert epsilons[0] == (epsilons[1] if sigma == 0 else pytest.approx(epsilons[1], rel=1e-9))
     if sigma > 0:  # each mode draws its own discrete Gaussian on its own lattice: the noise is not coupled
         return
-    dimension = sum(v.numel() for v in secure_model.values())
     g = secure["privacy"]["secagg_granularity"]  # g of the largest cohort: K = 6 under fixed-size sampling
     assert g == ModularLattice.for_cohort(0.5, 6, 32).granularity
     # per coordinate: n stochastic roundings (< g each) against n roundings to nearest on a 2^-40·C lattice,
@@ -265,7 +261,7 @@ def test_a_server_that_lowers_the_threshold_gets_no_round_from_clients_that_did_
                                            r"setup asks for a threshold of 2 shares.*requires ≥ 4.*ε = 0"):
         _run(tmp_path, "lying", grids=grids, client_overrides={"secagg-threshold": 0.66},
              **secure, **{"secagg-threshold": 0.01})
-    metrics = json.loads((tmp_path / "lying" / "metrics.json").read_text())
+    metrics = read_metrics(tmp_path / "lying")
     record = metrics["rounds"][0]
     assert record["failure"].startswith("secure aggregation failed: setup")
     assert record["epsilon"] == 0.0 and record["clients_accepted"] == 0

@@ -4,21 +4,14 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp.strategy import FedAdam, FedAvgM, FedYogi
-from flwr.supercore.task_identity import TaskIdentity
+from helpers import read_run
 
 from fedhog.engine import InProcessGrid
 from fedhog.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
+pytestmark = pytest.mark.usefixtures("server_identity")
 SHAPE = (3, 4)
-
-
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", SUPERLINK_NODE_ID)
 
 
 def _flower(kind: str, eta: float, beta1: float, beta2: float, tau: float):
@@ -100,16 +93,15 @@ def test_settings_reject_bad_values_by_name(field, value):
         ServerOptimizerSettings(**{field: value})
 
 
-def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, fresh_cache):
     """The optimizer's moments travel in the checkpoint: a resumed run ends with the never-stopped run's model."""
-    import json
 
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
     from fedhog.server_app import app as server_app
     from fedhog.vectorized import run_vectorized
 
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
     base = {"dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5, "partitioner": "iid",
             "mechanism": "gaussian", "noise-multiplier": 0.5, "privacy-seed": 3, "server-optimizer": "adam",
             "server-learning-rate": 0.05}
@@ -117,7 +109,7 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, monkeyp
     def run(folder, **overrides):
         config = RunConfig().with_overrides({**base, **overrides, "results-dir": str(tmp_path / folder)})
         run_vectorized(server_app, client_app, config)
-        return json.loads((tmp_path / folder / "metrics.json").read_text()), torch.load(tmp_path / folder / "final_model.pt")
+        return read_run(tmp_path / folder)
 
     whole, model_whole = run("whole", rounds=4)
     run("stopped", rounds=2)
@@ -125,5 +117,5 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, monkeyp
     assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in whole["rounds"]]
     for key in model_whole:
         assert torch.equal(model_resumed[key], model_whole[key])
-    plain, model_plain = run("sgd", rounds=4, **{"server-optimizer": "sgd", "server-learning-rate": 1.0})
+    _plain, model_plain = run("sgd", rounds=4, **{"server-optimizer": "sgd", "server-learning-rate": 1.0})
     assert any(not torch.equal(model_plain[k], model_whole[k]) for k in model_whole)  # adam really ran

@@ -23,7 +23,8 @@ def _problem(seed: int = 0):
     keys = list(model.state_dict())
     theta = torch.cat([v.reshape(-1) for v in model.state_dict().values()]).clone()
     loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(proxy.x).double()), torch.from_numpy(proxy.y))
-    grads = dict(zip((n for n, _ in model.named_parameters()), torch.autograd.grad(loss, list(model.parameters()))))
+    names = [n for n, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(loss, list(model.parameters())), strict=True))
     gradient = torch.cat([grads[k].reshape(-1) for k in keys])
     noise = torch.randn(theta.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     step = -gradient + 0.2 * gradient.norm() / noise.norm() * noise  # roughly where a noisy release points
@@ -38,7 +39,7 @@ def _phi_derivatives(model, proxy, keys, theta, step, h=1e-3):
     def phi(s):
         flat = theta + s * step
         parts = flat.split([math.prod(sh) for sh in shapes])
-        model.load_state_dict({k: p.reshape(sh) for k, p, sh in zip(keys, parts, shapes)})
+        model.load_state_dict({k: p.reshape(sh) for k, p, sh in zip(keys, parts, shapes, strict=True)})
         with torch.no_grad():
             return float(torch.nn.functional.cross_entropy(model(x), y))
 
@@ -79,4 +80,5 @@ def test_server_step_needs_proxy_data_and_a_known_kind():
         RunConfig.from_mapping({"server-step": "quartic", "proxy-fraction": 0.05})
     with pytest.raises(ConfigError, match="proxy-fraction"):
         RunConfig.from_mapping({"dataset": "synthetic", "proxy-fraction": 0.05})
-    assert RunConfig.from_mapping({"server-step": "newton", "proxy-fraction": 0.05}).server_step_settings.kind == "newton"
+    config = RunConfig.from_mapping({"server-step": "newton", "proxy-fraction": 0.05})
+    assert config.server_step_settings.kind == "newton"

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.common.constant import ErrorCode
 
 from fedhog.engine import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
@@ -17,20 +16,13 @@ from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_ga
 from fedhog.server_optimizer import ServerOptimizerSettings
 from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
 
+pytestmark = pytest.mark.usefixtures("server_identity")
 # node ids are deliberately not in partition order
 NODES = [905, 12, 777, 40, 3001, 88, 560, 2]
 OUTSIDER = 424242  # not a node of this federation
 SHAPES = {"w": (2, 3), "b": (3,)}
 NUMEL = 9
 GLOBAL_FLAT = np.linspace(-1.0, 1.0, NUMEL).astype(np.float32)
-
-
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    """Messages take run and sender from the task identity, as in a ServerApp process."""
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", SUPERLINK_NODE_ID)
 
 
 def as_record(flat, shapes=None, dtype=np.float32):
@@ -246,7 +238,8 @@ def round_noise(seed, server_round, sigma, clip):
     """The noise round ``server_round`` adds to the sum with this fixed privacy seed (stream 2: noise)."""
     settings_ = MechanismSettings("gaussian", clip, sigma)
     lattice = NoiseLattice.for_settings(settings_, NUMEL)
-    steps = discrete_gaussian(SeededBits(seed, (server_round, 2)), NUMEL, lattice.sum_std(settings_) / lattice.granularity)
+    steps = discrete_gaussian(SeededBits(seed, (server_round, 2)), NUMEL,
+                              lattice.sum_std(settings_) / lattice.granularity)
     return steps * lattice.granularity
 
 
@@ -282,7 +275,7 @@ def test_hog_round_uses_xi_of_each_slot_whatever_the_arrival_order():
     gamma, clip, seed = 0.5, 1.0, 5
     xis = slot_xis(seed, 4)[:3]  # slots 0, 1, 2
     expected_updates = []
-    for u, t, xi in zip([U0, U1, U2], [T0, T1, T2], xis):
+    for u, t, xi in zip([U0, U1, U2], [T0, T1, T2], xis, strict=True):
         tn = np.linalg.norm(t)
         expected_updates.append(u + (gamma * xi * np.linalg.norm(u) / tn * t if tn > 0 else 0))
     outcomes = []
@@ -400,7 +393,7 @@ def test_any_mix_of_malformed_replies_never_breaks_a_round(corruptions, scale, o
     updates = {node: scale * np.sin(np.arange(NUMEL) + i).astype(np.float32) for i, node in enumerate(nodes)}
     replies = [corrupted_reply(sent[nodes[i]], updates[nodes[i]], corruptions[i]) for i in order]
     arrays, _ = aggregator.aggregate_train(1, replies)
-    good = [node for node, corruption in zip(nodes, corruptions) if corruption == "none"]
+    good = [node for node, corruption in zip(nodes, corruptions, strict=True) if corruption == "none"]
     assert aggregator.current.clients_accepted == len(good)
     assert aggregator.current.clients_rejected == 4 - len(good)
     assert sum(aggregator.current.rejections.values()) == 4 - len(good)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import read_metrics
 from scipy import stats
 
 from fedhog.sweep.report import summary_markdown, tuning_markdown
@@ -148,7 +149,7 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     assert {c.config.seed for c in sweep.cells} == set(range(5))
 
 
-@pytest.mark.parametrize(("text", "match"), [
+@pytest.mark.parametrize("text, match", [
     ('output = "o"\nnoise = 1', "unknown key 'noise'"),
     ('[grid]\nseed = [0]', "output=None"),
     ('output = "o"\n[grid]\nseed = 3', "grid key 'seed' must be a non-empty list.*3"),
@@ -159,7 +160,8 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
     ('output = "o"\n[base]\nseed = 1\n[grid]\nseed = [0]', "'seed' is in both"),
     ('output = "o"\n[[variants]]\nmechanism = "hog"', "variant #1 .* needs a 'name'"),
     ('output = "o"\n[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "variant name 'a' is used twice"),
-    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1', r"variant 'a' sets 'seed', a \[grid\] key that pairs cells"),
+    ('output = "o"\n[grid]\nseed = [0]\n[[variants]]\nname = "a"\nseed = 1',
+     r"variant 'a' sets 'seed', a \[grid\] key that pairs cells"),
     ('output = "o"\n[[variants]]\nname = "a"\nmixing = 1.0', "variant 'a': unknown run-config key 'mixing'"),
     ('output = "o"\npaired = [["a", "b"]]\n[[variants]]\nname = "a"', "no variant 'b'"),
     ('output = "o"\n[grid]\nmechanism = ["hog", "laplace"]', "cell 'mechanism=laplace': mechanism='laplace'"),
@@ -256,19 +258,19 @@ def test_rerunning_skips_finished_cells_and_reruns_crashed_or_deleted_ones(smoke
 
     crashed, deleted = copy.cells[0], copy.cells[-1]
     assert deleted.config.aggregator == "flower-dp"
-    document = json.loads((crashed.directory / "metrics.json").read_text())
-    deleted_document = json.loads((deleted.directory / "metrics.json").read_text())
+    document = read_metrics(crashed.directory)
+    deleted_document = read_metrics(deleted.directory)
     (crashed.directory / "metrics.json").write_text(json.dumps({**document, "status": "failed"}))
     shutil.rmtree(deleted.directory)
     third = run_sweep(copy, show_progress=False)
     assert set(third.ran) == {crashed.cell_id, deleted.cell_id} and len(third.skipped) == 12
     for cell in copy.cells[1:-1]:
         assert (cell.directory / "metrics.json").stat().st_mtime_ns == mtimes[cell.cell_id]
-    assert json.loads((deleted.directory / "metrics.json").read_text())["status"] == "finished"
+    assert read_metrics(deleted.directory)["status"] == "finished"
     # the fixed privacy seed reproduces the crashed cell's run exactly, and Flower's baseline too
-    assert json.loads((crashed.directory / "metrics.json").read_text())["rounds"][-1]["accuracy"] == \
+    assert read_metrics(crashed.directory)["rounds"][-1]["accuracy"] == \
         document["rounds"][-1]["accuracy"]
-    assert [r["accuracy"] for r in json.loads((deleted.directory / "metrics.json").read_text())["rounds"]] == \
+    assert [r["accuracy"] for r in read_metrics(deleted.directory)["rounds"]] == \
         [r["accuracy"] for r in deleted_document["rounds"]]
     assert len(_read_csv(output / "results.csv")) == 14 * 3
 
@@ -333,6 +335,8 @@ def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
     return [name for name in done.stdout.strip().split(",") if name]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_parts_import_downwards_and_the_package_keeps_its_names():
     """spec and stats load no runner, report or plots; stats not even torch, Flower or the run config."""
     upper = ("fedhog.sweep.runner", "fedhog.sweep.report", "fedhog.sweep.plots")
@@ -397,8 +401,8 @@ def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_
         (("learning-rate", lr), ("mixing-strength", g)) for lr in (0.001, 0.3) for g in (0.25, 1.0)}
 
 
-def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+@pytest.mark.slow
+def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch, fresh_cache):
     monkeypatch.chdir(tmp_path)  # output = "out" is relative to the working directory
     sweep = load_sweep(_write(tmp_path, TUNED))
     outcome = run_sweep(sweep, show_progress=False)
@@ -411,7 +415,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
         scores = {}
         for trial in tuned.trials:
             if (trial.cell.variant, trial.condition) == (variant, condition):
-                rounds = json.loads((trial.cell.directory / "metrics.json").read_text())["rounds"]
+                rounds = read_metrics(trial.cell.directory)["rounds"]
                 scores[trial.setting] = np.mean([r["validation_accuracy"] for r in rounds[-2:]])
         assert scores[tuple(chosen.items())] == max(scores.values())  # the best validation score, not test
         for cell in tuned.cells:
@@ -426,6 +430,7 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
     assert not (sweep.output / "tuning.md").exists()  # listing a tuned sweep writes nothing
 
 
+@pytest.mark.slow
 def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatch):
     """[tune] rounds = R: a trial stops after R rounds, with the σ calibrated for the cell's own rounds."""
     from fedhog.privacy.calibration import calibrate_noise_multiplier
@@ -474,17 +479,18 @@ def test_bad_tuning_tables_name_the_key(tmp_path, change, match):
         load_sweep(_write(tmp_path, text))
 
 
-def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_report_compares_the_first_of_metrics(tmp_path, monkeypatch, fresh_cache):
     """A sweep with metrics = "auprc,...": summary.md and the paired tests use each cell's final AUPRC."""
     import pandas as pd
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     rows = 400
     x = rng.normal(size=(rows, 3))
-    pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "branch": rng.integers(0, 4, rows),
-                  "y": (x[:, 0] + 0.5 * rng.normal(size=rows) > 1.2).astype(int)}).to_csv(tmp_path / "t.csv", index=False)
+    table = pd.DataFrame({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "branch": rng.integers(0, 4, rows),
+                          "y": (x[:, 0] + 0.5 * rng.normal(size=rows) > 1.2).astype(int)})
+    table.to_csv(tmp_path / "t.csv", index=False)
     sweep = load_sweep(_write(tmp_path, f"""
 output = "out"
 paired = [["gaussian", "none"]]
@@ -513,7 +519,7 @@ mechanism = "none"
     outcome = run_sweep(sweep, show_progress=False)
     finals = {}
     for cell in sweep.cells:
-        document = json.loads((cell.directory / "metrics.json").read_text())
+        document = read_metrics(cell.directory)
         finals[(cell.variant, cell.config.seed)] = document["rounds"][-1]["auprc"]
     (comparison,) = outcome.comparisons
     assert comparison.differences == pytest.approx([finals[("none", s)] - finals[("gaussian", s)] for s in (0, 1)])

@@ -7,8 +7,15 @@ import pandas as pd
 import pytest
 
 from fedhog.config import ConfigError, RunConfig, load_config
-from fedhog.data import (DataSpec, dataset_info, load_client_data, load_proxy_set, load_server_validation_set,
-                         load_test_set, population_training_data)
+from fedhog.data import (
+    DataSpec,
+    dataset_info,
+    load_client_data,
+    load_proxy_set,
+    load_server_validation_set,
+    load_test_set,
+    population_training_data,
+)
 
 
 def _table(rows: int = 300, banks: int = 4, seed: int = 0) -> pd.DataFrame:
@@ -26,7 +33,7 @@ def _spec(path, **fields) -> DataSpec:
                        "num_partitions": 4, **fields})
 
 
-@pytest.fixture()
+@pytest.fixture
 def csv_file(tmp_path):
     path = tmp_path / "t.csv"
     _table().to_csv(path, index=False)

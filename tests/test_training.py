@@ -43,7 +43,7 @@ def test_hog_step_moves_by_the_cubic_step_along_the_negative_gradient(digits):
 
     assert local.steps == 1 and local.cubic_steps == int(expected.reason == "cubic minimiser")
     assert 0 < expected.step <= 5.0
-    for new, old, grad in zip(model.parameters(), before.parameters(), grads):
+    for new, old, grad in zip(model.parameters(), before.parameters(), grads, strict=True):
         torch.testing.assert_close(new.detach(), old.detach() - expected.step * grad, rtol=1e-9, atol=1e-12)
 
 

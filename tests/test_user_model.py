@@ -54,7 +54,7 @@ SOURCE = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture()
+@pytest.fixture
 def table(tmp_path, monkeypatch):
     (tmp_path / f"{MODULE}.py").write_text(SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -98,7 +98,7 @@ def test_a_bad_factory_is_refused_before_the_run_naming_model(table, model, expe
 
 
 def test_a_model_name_that_is_no_factory_is_refused_naming_what_is_allowed():
-    with pytest.raises(ConfigError, match="model='my model' is not allowed; expected one of logreg, mlp, cnn1d, "
+    with pytest.raises(ConfigError, match=r"model='my model' is not allowed; expected one of logreg, mlp, cnn1d, "
                                           "cnn2d or 'package.module:factory'"):
         load_config({"model": "my model"})
 
@@ -142,6 +142,7 @@ def test_a_trained_users_model_exports_to_torchscript(table):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_simulation_engine_imports_a_factory_from_the_working_directory(table):
     """Flower's processes start in other folders: fedhog puts the working directory on their PYTHONPATH."""
     result = fedhog.run(_config(table, rounds=1, population=4), engine="simulation")

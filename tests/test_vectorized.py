@@ -8,11 +8,11 @@ cohort exactly, and every round's test accuracy to within one test example.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
+from helpers import read_run
 
 from fedhog.client_app import app as client_app
 from fedhog.client_app import third_order_term
@@ -31,9 +31,7 @@ SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate":
          "clipping-norm": 1.0, "noise-multiplier": 0.5, "mechanism": "gaussian", "privacy-seed": 7}
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def _config(**overrides) -> RunConfig:
@@ -64,7 +62,7 @@ def test_a_cohort_trains_each_client_exactly_as_the_client_loop(model, momentum,
     work = trainer.train(start, partitions, seeds, epochs, config.batch_size, config.learning_rate, momentum)
     sizes = [len(load_client_data(config.data_spec, p)[0]) for p in partitions]
     assert len(set(sizes)) > 1  # the cohort really is uneven
-    for k, (partition, seed) in enumerate(zip(partitions, seeds)):
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
         alone = build_model(config.model, *dataset_info(config.data_spec))
         alone.load_state_dict(start)
         local = train_locally(alone, load_client_data(config.data_spec, partition)[0], epochs, config.batch_size,
@@ -84,10 +82,10 @@ def test_a_cohorts_third_order_terms_are_each_clients(direction, term):
     work = trainer.train(start, partitions, seeds, config.local_epochs, config.batch_size, config.learning_rate,
                          config.momentum, HogSettings(direction, term, config.hog_batch_size))
     assert work.terms is not None and all(work.term_finite)
-    for k, (partition, seed) in enumerate(zip(partitions, seeds)):
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
         model = build_model(config.model, *dataset_info(config.data_spec))
         model.load_state_dict(start)
-        update = dict(zip(start, torch.split(work.updates[k], [v.numel() for v in start.values()])))
+        update = dict(zip(start, torch.split(work.updates[k], [v.numel() for v in start.values()]), strict=True))
         update = {key: value.reshape(start[key].shape) for key, value in update.items()}
         expected, finite, _ = third_order_term(model, load_client_data(config.data_spec, partition)[0], update,
                                                config, seed)
@@ -106,8 +104,7 @@ def _run(engine: str, tmp_path, **overrides) -> tuple[dict, dict[str, torch.Tens
         run_vectorized(server_app, client_app, config)
     else:
         run_in_process(server_app, client_app, config.population, config.to_mapping())
-    return (json.loads((tmp_path / engine / "metrics.json").read_text()),
-            torch.load(tmp_path / engine / "final_model.pt"))
+    return read_run(tmp_path / engine)
 
 
 CONFIGS = {
@@ -126,7 +123,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+SMOKE = "hog-random"  # the fast tier's whole run of both engines; CI compares every row
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name == SMOKE else pytest.mark.slow)
+                                  for name in CONFIGS])
 def test_vectorized_and_in_process_runs_agree(tmp_path, name):
     vectorized, model_v = _run("vectorized", tmp_path, **CONFIGS[name])
     in_process, model_i = _run("inprocess", tmp_path, **CONFIGS[name])
@@ -146,6 +147,7 @@ def test_vectorized_and_in_process_runs_agree(tmp_path, name):
         torch.testing.assert_close(model_v[key], model_i[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_what_cannot_be_batched_runs_client_by_client(tmp_path, caplog):
     config = {"client-dp": "dpsgd", "rounds": 2}
     assert "Opacus" in unbatchable_reason(_config(**config))
@@ -167,6 +169,7 @@ def test_the_vectorized_grid_is_a_cohort_grid_and_answers_discovery():
     assert sorted(grid.partition_of_node.values()) == list(range(config.population))
 
 
+@pytest.mark.slow
 def test_a_round_that_samples_nobody_releases_the_same_noise_on_both_engines(tmp_path):
     # N = 10 at q = 0.1: a round samples nobody with probability 0.35. C = 0.1 keeps the noise std σC/K small:
     # a model drowned in noise (σC/K = 0.5 a coordinate) amplifies float32 reassociation past any tolerance
@@ -179,6 +182,7 @@ def test_a_round_that_samples_nobody_releases_the_same_noise_on_both_engines(tmp
         torch.testing.assert_close(v_model[key], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_vectorized_run_resumes_to_the_never_stopped_result(tmp_path):
     whole, model_whole = _run("vectorized", tmp_path / "whole", rounds=4)
     _run("vectorized", tmp_path / "stopped", rounds=2)

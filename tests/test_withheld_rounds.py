@@ -3,22 +3,18 @@ beyond any ε, whether one good client was sampled), is accounted and marked, an
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from helpers import read_metrics
+from test_strategy_replies import GLOBAL_FLAT, NODES, bad_record, flat_of, make_aggregator, reply, round_noise
 
 from fedhog.checkpoint import load_checkpoint
 from fedhog.config import RunConfig
 from fedhog.engine import run_in_process
 from fedhog.server_app import app as server_app
 from fedhog.strategy import MAX_EMPTY_IN_A_ROW
-
-from test_strategy_replies import (GLOBAL_FLAT, NODES, bad_record, flat_of, make_aggregator,  # noqa: F401
-                                   reply, round_noise, server_identity)
 
 
 def _all_bad(aggregator, sent):
@@ -64,15 +60,14 @@ def _query(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-def test_a_run_without_accepted_contributions_stops_after_three_rounds_with_the_reasons(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
+def test_a_run_without_accepted_contributions_stops_after_three_rounds_with_the_reasons(tmp_path, fresh_cache):
     config = RunConfig().with_overrides({
         "dataset": "digits", "model": "logreg", "population": 4, "sampling-rate": 1.0, "sampling": "fixed",
         "rounds": 10, "partitioner": "iid", "mechanism": "gaussian", "noise-multiplier": 1.0, "privacy-seed": 1,
         "results-dir": str(tmp_path / "run")})
     with pytest.raises(RuntimeError, match=f"rounds 1–{MAX_EMPTY_IN_A_ROW} had no accepted contribution"):
         run_in_process(server_app, unusable, config.population, config.to_mapping())
-    document = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    document = read_metrics(tmp_path / "run")
     assert document["status"] == "failed"
     assert "malformed: no ArrayRecord 'update'" in document["error"]
     rounds = document["rounds"]
