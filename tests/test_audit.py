@@ -100,7 +100,8 @@ def test_the_gdp_estimate_is_read_at_the_tests_own_threshold_not_the_luckiest_on
     hits = len(inside) - np.searchsorted(inside, candidates)
     falses = len(outside) - np.searchsorted(outside, candidates)
     usable = (hits >= 100) & (falses >= 100)
-    largest = max(bounds.gdp_mu(h / len(inside), f / len(outside)) for h, f in zip(hits[usable], falses[usable], strict=True))
+    largest = max(bounds.gdp_mu(h / len(inside), f / len(outside))
+                  for h, f in zip(hits[usable], falses[usable], strict=True))
     assert largest > mu + 0.5
 
     observation = attacks.Observation(scores[None], np.zeros((1, n)), np.array([shift]), labels, 1.0, "add-remove")
