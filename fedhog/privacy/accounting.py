@@ -26,10 +26,10 @@ from flwr.supercore.privacy_accounting import (
     SamplingMethod,
 )
 
+from ..choices import ACCOUNTANTS
 from .mechanism import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
 
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 # PLD grid width. Rounding is pessimistic: against dp_accounting's default 1e-4 grid, ε is
 # overstated by < 1e-3 when ε ≥ 1 (T ≤ 1000) but by up to 0.02 when ε < 0.1, and ε after
 # T rounds costs ~0.05 s instead of 0.3–1.3 s.
