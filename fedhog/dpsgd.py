@@ -244,7 +244,10 @@ class _PoissonBatches:
 def _lattice_optimizer_class() -> type:
     """Opacus's DPOptimizer with :func:`lattice_noisy_sum` as its noise (built on first use: Opacus loads lazily)."""
     from opacus.optimizers import DPOptimizer
-    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+    from .compat import opacus_processed_flags
+
+    check_processed, mark_processed = opacus_processed_flags()
 
     class LatticeNoiseDPOptimizer(DPOptimizer):
         """Adds lattice noise from fedhog's random bits to the sum of all parameters' clipped gradients."""
@@ -255,7 +258,7 @@ def _lattice_optimizer_class() -> type:
 
         def add_noise(self) -> None:
             for p in self.params:
-                _check_processed_flag(p.summed_grad)
+                check_processed(p.summed_grad)
             summed = torch.cat([p.summed_grad.detach().reshape(-1).to("cpu", torch.float64) for p in self.params])
             if not torch.isfinite(summed).all():
                 raise FloatingPointError("dpsgd: the sum of clipped gradients is not finite (diverged training?)")
@@ -264,7 +267,7 @@ def _lattice_optimizer_class() -> type:
             for p in self.params:
                 p.grad = noisy[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
                 offset += p.numel()
-                _mark_as_processed(p.summed_grad)
+                mark_processed(p.summed_grad)
 
     return LatticeNoiseDPOptimizer
 
