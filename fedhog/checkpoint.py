@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from .files import atomic_write
 from .interrupts import deferred
-from .results import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"

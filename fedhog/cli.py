@@ -20,10 +20,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__, interrupts
-from .checkpoint import CheckpointError, load_checkpoint
+from .choices import EXPORT_FORMATS
 from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local, simulate_local
-from .export import FORMATS, ExportError, export_model
 from .progress import console, format_value, read_metrics_file, watch_metrics
 from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
                       read_run_document, record_launch)
@@ -115,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep FLWR_HOME, certificates and the run config here (default: a temporary folder)")
     export = commands.add_parser("export", help="export the final model of a results folder for serving")
     export.add_argument("results", type=Path, help="a results folder (config.toml, final_model.pt)")
-    export.add_argument("--format", dest="fmt", choices=FORMATS, default="torchscript",
+    export.add_argument("--format", dest="fmt", choices=EXPORT_FORMATS, default="torchscript",
                         help="TorchScript (LibTorch, DJL) or a plain state dict")
     export.add_argument("--out", type=Path, help="output file (default: model.<format>.pt in the results folder)")
     sweep = commands.add_parser("sweep", help="run a grid of in-process runs (resumable); write results.csv, "
@@ -424,6 +423,8 @@ def _run_watched(engine: Engine, config: RunConfig, client_cpus: int, directory:
 
 def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "run") -> int:
     """Mark the run interrupted, say what was kept and how to continue; return ``code``."""
+    from .checkpoint import CheckpointError, load_checkpoint  # torch
+
     interrupts.ignore()  # what follows is quick and must not be cut short
     mark_interrupted(directory)
     clear_stop_request(directory)
@@ -468,6 +469,8 @@ def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Pa
 
 def export_command(results: Path, fmt: str, out: Path | None = None) -> int:
     """Export the final model of ``results`` (:func:`export_model`); print where it went."""
+    from .export import ExportError, export_model  # torch
+
     try:
         path = export_model(results, fmt, out)  # type: ignore[arg-type]
     except ExportError as error:

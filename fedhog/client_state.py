@@ -26,8 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .data import _cache_dir
-from .results import atomic_write
+from .files import atomic_write, cache_dir
 
 STATE_DIR_KEY = "state-dir"  # node config key
 _JOB_ID = re.compile(r"[0-9a-f]{32}")  # the server's uuid4().hex: no path separators, no dots
@@ -42,7 +41,7 @@ def state_dir(node_config: Mapping[str, Any]) -> Path:
         If ``state-dir`` is set but is not a non-empty string.
     """
     if STATE_DIR_KEY not in node_config:
-        return _cache_dir() / "client-state"
+        return cache_dir() / "client-state"
     value = node_config[STATE_DIR_KEY]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"node config {STATE_DIR_KEY}={value!r} is not allowed; expected a directory path")

@@ -18,31 +18,22 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .data import PARTITIONERS, TABULAR_FORMATS, DataSpec, validate_spec
-from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
-from .models import ACTIVATIONS, DEFAULT_ACTIVATION, MODELS, is_factory
-from .privacy.accounting import ACCOUNTANTS
-from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
-from .privacy.mechanism import MECHANISMS, MechanismSettings
-from .privacy.sampling import SAMPLING_METHODS
-from .secure_aggregation.quantization import MAX_MODULUS_BITS, MIN_MODULUS_BITS, ModularLattice
-from .server_optimizer import SERVER_OPTIMIZERS, ServerOptimizerSettings
-from .server_step import SERVER_STEPS, ServerStepSettings
-from .training import OPTIMIZERS
+from .choices import (
+    ACCOUNTANTS, ACTIVATIONS, AGGREGATORS, BINARY_METRICS, CLIENT_DP, DEFAULT_ACTIVATION, DEVICES, DPSGD_ACCOUNTANTS,
+    DPSGD_NOISE, HOG_DIRECTIONS, HOG_TERMS, MAX_MODULUS_BITS, MECHANISMS, MIN_MODULUS_BITS, MODELS, NOISE,
+    OPTIMIZERS, PARTITIONERS, PRIVACY_LEVEL_KEYS, SAMPLING_METHODS, SECURE_AGGREGATION, SERVER_OPTIMIZERS,
+    SERVER_STEPS, TABULAR_FORMATS, TEST_METRICS, is_factory,
+)
+from .data import DataSpec, validate_spec
+from .settings import DpSgdSettings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the settings a run builds: their modules load torch, so they are imported when built
+    from .privacy.adaptive_clipping import AdaptiveClippingSettings
+    from .privacy.mechanism import MechanismSettings
     from .secure_aggregation.distributed_noise import DistributedNoise
-
-HOG_DIRECTIONS = ("random", "update")
-HOG_TERMS = ("third-order", "random")
-CLIENT_DP = ("none", "dpsgd")
-SECURE_AGGREGATION = ("off", "secagg+")
-NOISE = ("central", "distributed")  # who adds the noise: the server, or each client a share (secagg+ only)
-AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
-DEVICES = ("auto", "cpu", "cuda")
-PRIVACY_LEVEL_KEYS = ("noise-multiplier", "target-epsilon")  # σ, or the ε to calibrate σ for: one of them
-TEST_METRICS = ("accuracy", "auroc", "auprc")  # the `metrics` key: loss and accuracy always; AUROC, AUPRC binary only
-BINARY_METRICS = ("auroc", "auprc")
+    from .secure_aggregation.quantization import ModularLattice
+    from .server_optimizer import ServerOptimizerSettings
+    from .server_step import ServerStepSettings
 
 
 class ConfigError(ValueError):
@@ -178,6 +169,8 @@ class RunConfig:
     @property
     def mechanism_settings(self) -> MechanismSettings:
         """The server-side mechanism."""
+        from .privacy.mechanism import MechanismSettings  # torch
+
         return MechanismSettings(
             kind=self.mechanism,  # type: ignore[arg-type]
             clipping_norm=self.clipping_norm,
@@ -190,6 +183,8 @@ class RunConfig:
         """Adaptive clipping starting at ``clipping-norm``, or None when off."""
         if not self.adaptive_clipping:
             return None
+        from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std  # torch
+
         count_std = default_count_noise_std(self.expected_cohort) if self.count_noise_std < 0 else self.count_noise_std
         return AdaptiveClippingSettings(initial_clipping_norm=self.clipping_norm, count_noise_std=count_std,
                                         target_quantile=self.target_quantile,
@@ -204,12 +199,16 @@ class RunConfig:
     @property
     def server_optimizer_settings(self) -> ServerOptimizerSettings:
         """How the server applies each release (post-processing)."""
+        from .server_optimizer import ServerOptimizerSettings  # torch
+
         return ServerOptimizerSettings(self.server_optimizer, self.server_learning_rate, self.server_momentum,
                                        self.server_beta2, self.server_tau)
 
     @property
     def server_step_settings(self) -> ServerStepSettings:
         """The step length the server takes along its optimizer's step (``server-step``)."""
+        from .server_step import ServerStepSettings
+
         return ServerStepSettings(self.server_step, self.server_step_max)
 
     @property
@@ -234,6 +233,8 @@ class RunConfig:
             Naming ``secagg-modulus-bits`` and the bits needed, when no granularity
             leaves 2 levels per contribution for the largest cohort and its noise.
         """
+        from .secure_aggregation.quantization import ModularLattice  # torch
+
         if self.noise != "distributed":
             return ModularLattice.for_cohort(self.clipping_norm, self.largest_cohort, self.secagg_modulus_bits), None
         from .secure_aggregation.distributed_noise import plan_distributed_noise  # dp_accounting, scipy

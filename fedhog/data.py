@@ -54,14 +54,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .choices import DATASETS, PARTITIONERS, TABULAR_FORMATS
+from .files import cache_dir
+
 if TYPE_CHECKING:
     from datasets import Dataset
     from flwr_datasets.partitioner import Partitioner
 
-DATASETS = ("mnist1d", "digits", "synthetic")
-PARTITIONERS = ("iid", "dirichlet", "pathological")
 HF_PREFIX = "hf:"
-TABULAR_FORMATS = ("csv", "parquet", "npz")
 SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
 _stage = logging.getLogger("fedhog.stage").info  # what the progress display shows before the first round
 
@@ -602,10 +602,6 @@ def _held_out(rows: np.ndarray, spec: DataSpec) -> tuple[np.ndarray, np.ndarray,
     return rows[:ends[0]], rows[ends[0]:ends[1]], rows[ends[1]:ends[2]], rows[ends[2]:]
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FEDHOG_CACHE") or Path.home() / ".cache" / "fedhog")
-
-
 @functools.lru_cache(maxsize=4)
 def load_mnist1d(num_samples: int = 20000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Generate MNIST-1D, cached in memory and on disk.
@@ -629,11 +625,11 @@ def load_mnist1d(num_samples: int = 20000, seed: int = 0) -> tuple[np.ndarray, n
     and Python RNGs; their states are restored afterwards.
     """
     key = json.dumps({"generator": "mnist1d", "num_samples": num_samples, "seed": seed})
-    path = _cache_dir() / f"mnist1d-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    path = cache_dir() / f"mnist1d-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
     if path.exists():
         with np.load(path) as f:
             return f["x"], f["y"]
-    _stage("generating MNIST-1D: %d examples (once: cached in %s)…", num_samples, _cache_dir())
+    _stage("generating MNIST-1D: %d examples (once: cached in %s)…", num_samples, cache_dir())
     from mnist1d.data import get_dataset_args, make_dataset  # slow import, only on a miss
 
     args = get_dataset_args()

@@ -48,7 +48,7 @@ import psutil
 
 from .app_bundle import write_app_bundle
 from .config import ConfigError, RunConfig
-from .models import is_factory
+from .choices import is_factory
 from .progress import read_metrics_file, watch_metrics
 from .results import clear_stop_request, config_to_toml, default_results_dir, request_stop
 

@@ -58,58 +58,12 @@ from .privacy.mechanism import (
     sampler_slack,
 )
 from .privacy.randomness import RandomBits, lattice_gaussian, uniform
+from .settings import DpSgdSettings
+from .settings import dpsgd_error as _reject
+from .settings import is_number as _is_number
 from .training import LocalTraining, as_tensors
 
-DPSGD_ACCOUNTANTS = ("prv", "rdp")
 CHECKED_EPSILON = 64.0  # the sampler's δ slack is checked at this ε (it grows with e^ε; beyond, nothing is private)
-DPSGD_NOISE = ("fedhog", "opacus-secure")
-
-
-def _reject(key: str, value: object, expected: str) -> ValueError:
-    return ValueError(f"dpsgd: {key}={value!r} is not allowed; expected {expected}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class DpSgdSettings:
-    """How DP-SGD privatises one client's local training.
-
-    Attributes
-    ----------
-    noise_multiplier : float
-        σ: noise std ÷ the sensitivity; ≥ 0 (0 clips without noise: ε = ∞).
-    max_grad_norm : float
-        C: each example's gradient is clipped to this L2 norm; > 0.
-    delta : float
-        The δ at which ε is reported, in (0, 1).
-    accountant : str
-        Opacus's ``"prv"`` (tight, numerical) or ``"rdp"`` (Rényi DP).
-    noise : str
-        ``"fedhog"`` (lattice noise from the client's random bits) or
-        ``"opacus-secure"`` (Opacus's secure mode; needs ``torchcsprng``).
-    """
-
-    noise_multiplier: float
-    max_grad_norm: float
-    delta: float
-    accountant: str = "prv"
-    noise: str = "fedhog"
-
-    def __post_init__(self) -> None:
-        sigma, clip, delta = self.noise_multiplier, self.max_grad_norm, self.delta
-        if not _is_number(sigma) or not (math.isfinite(sigma) and sigma >= 0):
-            raise _reject("noise_multiplier", sigma, "a finite number ≥ 0")
-        if not _is_number(clip) or not (math.isfinite(clip) and clip > 0):
-            raise _reject("max_grad_norm", clip, "a finite number > 0")
-        if not _is_number(delta) or not 0 < delta < 1:
-            raise _reject("delta", delta, "a number in (0, 1)")
-        if self.accountant not in DPSGD_ACCOUNTANTS:
-            raise _reject("accountant", self.accountant, f"one of {DPSGD_ACCOUNTANTS}")
-        if self.noise not in DPSGD_NOISE:
-            raise _reject("noise", self.noise, f"one of {DPSGD_NOISE}")
 
 
 @dataclass(frozen=True)
@@ -290,7 +244,10 @@ class _PoissonBatches:
 def _lattice_optimizer_class() -> type:
     """Opacus's DPOptimizer with :func:`lattice_noisy_sum` as its noise (built on first use: Opacus loads lazily)."""
     from opacus.optimizers import DPOptimizer
-    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+
+    from .compat import opacus_processed_flags
+
+    check_processed, mark_processed = opacus_processed_flags()
 
     class LatticeNoiseDPOptimizer(DPOptimizer):
         """Adds lattice noise from fedhog's random bits to the sum of all parameters' clipped gradients."""
@@ -301,7 +258,7 @@ def _lattice_optimizer_class() -> type:
 
         def add_noise(self) -> None:
             for p in self.params:
-                _check_processed_flag(p.summed_grad)
+                check_processed(p.summed_grad)
             summed = torch.cat([p.summed_grad.detach().reshape(-1).to("cpu", torch.float64) for p in self.params])
             if not torch.isfinite(summed).all():
                 raise FloatingPointError("dpsgd: the sum of clipped gradients is not finite (diverged training?)")
@@ -310,7 +267,7 @@ def _lattice_optimizer_class() -> type:
             for p in self.params:
                 p.grad = noisy[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
                 offset += p.numel()
-                _mark_as_processed(p.summed_grad)
+                mark_processed(p.summed_grad)
 
     return LatticeNoiseDPOptimizer
 

@@ -24,6 +24,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedhog.compat import stamp_message  # absolute: this module moves to fedhog/engines/
+
 
 class InProcessGrid(Grid):
     """A Grid whose nodes are contexts in this process.
@@ -84,8 +86,7 @@ class InProcessGrid(Grid):
     def _stamp(self, message: Message) -> str:
         """Give ``message`` a fresh id and this run, as the SuperLink does on push; return the id."""
         message_id = uuid.uuid4().hex
-        message.metadata.__dict__["_message_id"] = message_id
-        message.metadata.__dict__["_run_id"] = self._run.run_id
+        stamp_message(message, message_id, self._run.run_id)
         return message_id
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:

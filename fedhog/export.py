@@ -19,12 +19,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .choices import EXPORT_FORMATS as FORMATS
 from .config import RunConfig, load_config, read_toml
 from .data import dataset_info
+from .files import atomic_write
 from .models import build_model
-from .results import atomic_write
 
-FORMATS = ("torchscript", "state-dict")
 SUFFIXES = {"torchscript": "model.torchscript.pt", "state-dict": "model.state_dict.pt"}
 
 

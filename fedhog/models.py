@@ -21,14 +21,14 @@ names a callable that :func:`build_model` calls as
 import importlib
 import math
 import os
-import re
 import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-MODELS = ("logreg", "mlp", "cnn1d", "cnn2d")
+from .choices import DEFAULT_ACTIVATION, MODELS, is_factory
+
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "tanh": nn.Tanh,  # smooth, saturates: fedhog's models until the activation became a choice
     "relu": nn.ReLU,  # does not saturate, not smooth (third derivative zero almost everywhere)
@@ -36,8 +36,6 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,  # x·Φ(x) (exact, not the tanh approximation): smooth, unbounded above
     "softplus": nn.Softplus,  # log(1 + eˣ): smooth, unbounded above, positive
 }
-DEFAULT_ACTIVATION = "gelu"
-_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MLP_HIDDEN = 64
 CNN1D_CHANNELS = 25  # the MNIST-1D paper's CNN (three stride-2 convolutions)
 CNN2D_CHANNELS = (16, 32)
@@ -97,11 +95,6 @@ class CNN2d(nn.Module):
         if x.dim() == 3:
             x = x.unsqueeze(1)
         return self.head(self.features(x))
-
-
-def is_factory(name: str) -> bool:
-    """Whether ``name`` has the form ``package.module:factory`` (a user's model factory)."""
-    return isinstance(name, str) and _FACTORY.fullmatch(name) is not None
 
 
 def load_factory(name: str) -> Callable[..., nn.Module]:

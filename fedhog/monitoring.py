@@ -34,7 +34,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server as _start_http_server
 
-from .results import atomic_write
+from .files import atomic_write
 
 #: Client MetricRecord key: peak memory in bytes (see :func:`measure_peak_memory`).
 PEAK_MEMORY_KEY = "peak-memory-bytes"

@@ -5,20 +5,18 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
-import os
 import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-from flwr.app import ArrayRecord
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, RunConfig, toml_value
-from .interrupts import deferred
+from .files import atomic_write, json_safe
+
+if TYPE_CHECKING:
+    from flwr.app import ArrayRecord
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
 RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
@@ -128,7 +126,7 @@ def record_launch(directory: Path, launch: dict[str, Any], config: RunConfig | N
     document["launch"] = launch
     if config is not None:
         atomic_write(directory / "config.toml", config_to_toml(config).encode())
-    atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
+    atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
 
 
 def mark_interrupted(directory: Path) -> None:
@@ -136,7 +134,7 @@ def mark_interrupted(directory: Path) -> None:
     document = read_run_document(directory)
     if document is not None and document.get("status") in ("starting", "running"):
         document["status"] = "interrupted"
-        atomic_write(directory / "metrics.json", json.dumps(_json_safe(document), indent=2).encode())
+        atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
 
 
 def client_error_summary(reason: str, limit: int = 300) -> str:
@@ -155,24 +153,6 @@ def client_error_summary(reason: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
-
-    Ctrl-C or SIGTERM (see :mod:`fedhog.interrupts`) waits until the write is done, so no temporary file is left.
-    """
-    with deferred():
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-
-
 def config_to_toml(config: RunConfig) -> str:
     """The resolved config as a flat TOML document that :func:`load_config` reads back."""
     lines = ["# fedhog run config, as resolved for this run"]
@@ -182,20 +162,6 @@ def config_to_toml(config: RunConfig) -> str:
             continue
         lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
-
-
-def _json_safe(value: Any) -> Any:
-    """JSON has no ∞ or NaN: write them as strings "inf" / null."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return None
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 WITHHELD = "withheld"  # what metrics.json says of a fixed privacy-seed
@@ -248,6 +214,8 @@ class ResultsWriter:
 
     def save_model(self, arrays: ArrayRecord, name: str = "final_model.pt") -> Path:
         """Save the model's state dict (loadable with ``torch.load``)."""
+        import torch  # the ServerApp has it loaded; the CLI reads results without it
+
         buffer = io.BytesIO()
         torch.save(arrays.to_torch_state_dict(), buffer)
         path = self.directory / name
@@ -255,5 +223,5 @@ class ResultsWriter:
         return path
 
     def _flush(self) -> None:
-        text = json.dumps(_json_safe(self.document), indent=2)
+        text = json.dumps(json_safe(self.document), indent=2)
         atomic_write(self.metrics_path, text.encode())

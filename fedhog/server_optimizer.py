@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-SERVER_OPTIMIZERS = ("sgd", "momentum", "adam", "yogi")
+from .choices import SERVER_OPTIMIZERS
 
 
 @dataclass(frozen=True)

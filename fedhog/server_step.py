@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .choices import SERVER_STEPS
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from .data import ArrayData
     from .derivatives.step_size import StepSize
-
-SERVER_STEPS = ("none", "newton", "cubic")
 
 
 @dataclass(frozen=True)

@@ -208,13 +208,8 @@ class SecureAggregator(Strategy):
         if self.secure_aggregation is not None:
             log(INFO, "\t├──> SecAgg+: clients clip, quantise mod 2^%d and mask; the server unmasks only the sum",
                 self.secure_aggregation.lattice.modulus_bits)
-        if self.accountant.event is None and self.accountant.has_guarantee:
-            log(INFO, "\t└──> distributed noise: each client adds N_Z(0, σ_l²); accounting: %r", self.accountant)
-        elif self.accountant.has_guarantee:
-            event = self.accountant.event
-            log(INFO, "\t└──> accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g",
-                self.accountant.method, self.sampling, event.noise_multiplier, event.sample_size,
-                event.population_size, self.accountant.delta)
+        if self.accountant.has_guarantee:
+            log(INFO, "\t└──> %s", self.accountant.describe())
         else:
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
                 "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
@@ -237,9 +232,9 @@ class SecureAggregator(Strategy):
     def cover_sampler(self, numel: int) -> None:
         """Tell the accountant what each release draws from the lattice sampler (its slack enters ε and δ).
 
-        Nothing with distributed noise: its own accountant covers the clients' discrete Gaussians.
+        With distributed noise the accountant ignores it: its own accounting covers the clients' discrete Gaussians.
         """
-        if not isinstance(self.accountant, ClientLevelAccountant) or not self.accountant.has_guarantee:
+        if not self.accountant.has_guarantee:
             return
         lattice = (NoiseLattice.for_settings(self.mechanism, numel) if self.secure_aggregation is None
                    else self.secure_aggregation.lattice.noise_lattice(numel))

@@ -11,8 +11,6 @@ from torch import nn
 from .data import ArrayData
 from .derivatives import third_order_step_size
 
-OPTIMIZERS = ("sgd", "hog-step")
-
 
 def select_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else the CPU."""

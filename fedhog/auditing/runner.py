@@ -229,7 +229,7 @@ def _claim(results_dir: str | Path | None) -> Path | None:
 
 def _write(directory: Path, result: AuditResult, observation: attacks.Observation) -> None:
     """``audit.json`` (the result) and ``scores.png`` (the chosen statistics' scores, canaries in vs out)."""
-    from ..results import atomic_write
+    from ..files import atomic_write
 
     atomic_write(directory / "audit.json", (json.dumps(result.to_json(), indent=2) + "\n").encode())
     plot_scores(directory / "scores.png", result, observation)

@@ -6,18 +6,24 @@ relation: C for add/remove-one (Poisson sampling) but 2C for replace-one
 (fixed-size sampling), so fixed-size sampling composes σ/2, not σ.
 
 Two accountants bound ε: PLD (tight; :class:`~fedhog.privacy.pld.PldAccountant`)
-and RDP (Flower's ``RdpAccountant``). dp_accounting's PLD accountant cannot
-account sampling without replacement, so fixed-size sampling is always
+and RDP (Flower's ``RdpAccountant``), found by name in :data:`ACCOUNTANT_REGISTRY`
+(its names are :data:`fedhog.choices.ACCOUNTANTS`). dp_accounting's PLD accountant
+cannot account sampling without replacement, so fixed-size sampling is always
 accounted with RDP (:func:`effective_accountant`).
+
+What the strategy holds is an :class:`Accountant`: :class:`ClientLevelAccountant`
+here, or :class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`
+when the clients add the noise; each describes itself, so the strategy never asks which.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 from flwr.common import log
-from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import (
     GaussianPrivacyEvent,
     NeighboringRelation,
@@ -25,11 +31,12 @@ from flwr.supercore.privacy_accounting import (
     PrivacyConfig,
     SamplingMethod,
 )
+from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant  # its home (flwr.serverapp re-exports it)
 
+from ..choices import ACCOUNTANTS
 from .mechanism import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
 
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 # PLD grid width. Rounding is pessimistic: against dp_accounting's default 1e-4 grid, ε is
 # overstated by < 1e-3 when ε ≥ 1 (T ≤ 1000) but by up to 0.02 when ε < 0.1, and ε after
 # T rounds costs ~0.05 s instead of 0.3–1.3 s.
@@ -73,15 +80,54 @@ def privacy_config(sampling: SamplingKind, population: int, delta: float) -> Pri
                          neighboring_relation=relation, sampling_method=method)
 
 
+class Accountant(Protocol):
+    """What the strategy asks of an accountant (Opacus' ``IAccountant``, for releases of whole rounds)."""
+
+    method: str  # the accountant that bounds ε ("pld", "rdp", "ddg-rdp")
+    delta: float
+    releases: int
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Whether any finite ε can be reported."""
+
+    def describe(self) -> str:
+        """One line for the strategy's start-up log: what is accounted, and how."""
+
+    def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
+        """Count the slack of the server's lattice sampler in ε and δ (nothing where the clients add the noise)."""
+
+    def compose_round(self) -> None:
+        """Record one released round."""
+
+    def epsilon(self) -> float:
+        """ε spent so far at δ."""
+
+    def would_exceed(self, max_epsilon: float) -> bool:
+        """Whether releasing one more round would push ε past ``max_epsilon``."""
+
+    def state_dict(self) -> dict[str, object]:
+        """Serializable state (for checkpoints)."""
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict` output."""
+
+
+def _pld(config: PrivacyConfig) -> PrivacyAccountant:
+    from .pld import PldAccountant  # dp-accounting's PLD: imported by servers only, not clients
+
+    return PldAccountant(config, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
+
+
+# accountant name -> a fresh Flower-protocol accountant for a privacy configuration (Opacus' registry)
+ACCOUNTANT_REGISTRY: dict[str, Callable[[PrivacyConfig], PrivacyAccountant]] = {"pld": _pld, "rdp": RdpAccountant}
+
+
 def new_backend(config: PrivacyConfig, accountant: str) -> PrivacyAccountant:
     """A fresh Flower-protocol accountant: ``"pld"`` (fedhog's grid width) or ``"rdp"``."""
-    if accountant == "pld":
-        from .pld import PldAccountant  # dp-accounting's PLD: imported by servers only, not clients
-
-        return PldAccountant(config, value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
-    if accountant == "rdp":
-        return RdpAccountant(config)
-    raise ValueError(f"accountant={accountant!r} must be one of {ACCOUNTANTS}")
+    if accountant not in ACCOUNTANT_REGISTRY:
+        raise ValueError(f"accountant={accountant!r} must be one of {ACCOUNTANTS}")
+    return ACCOUNTANT_REGISTRY[accountant](config)
 
 
 class ClientLevelAccountant:
@@ -145,6 +191,14 @@ class ClientLevelAccountant:
         """The event composed for each round's release (None without a guarantee)."""
         return self._event
 
+    def describe(self) -> str:
+        """The accountant, sampling and event of each release (or that there is no guarantee)."""
+        if self._event is None:
+            return f"no accounting: ε = ∞ ({self.method} accountant, {self.sampling} sampling)"
+        event = self._event
+        return (f"accounting: {self.method}, {self.sampling} sampling, accountant σ={event.noise_multiplier:g}, "
+                f"expected cohort {event.sample_size:d} of {event.population_size:d}, δ={self.delta:g}")
+
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
         """Count the slack of fedhog's lattice sampler (:func:`~fedhog.privacy.mechanism.sampler_slack`) in ε and δ:
         each release draws ``values_per_release`` values of std ``std_steps`` lattice steps."""
@@ -194,13 +248,7 @@ class ClientLevelAccountant:
         Flower's would_exceed replays every event). Remembered: the run's start asks for the planned rounds twice."""
         if releases in self._projections:
             return self._projections[releases]
-        if self.method == "pld":
-            from .pld import PldAccountant
-
-            projected: PrivacyAccountant = PldAccountant(self._backend.config,
-                                                         value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
-        else:
-            projected = RdpAccountant(self._backend.config)
+        projected = new_backend(self._backend.config, self.method)
         projected.compose(self._event, count=releases)
         self._projections[releases] = projected.get_epsilon(self.delta)
         return self._projections[releases]

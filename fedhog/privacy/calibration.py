@@ -22,6 +22,7 @@ from flwr.supercore.privacy_accounting import (
     SamplingMethod,
 )
 
+from ..choices import SAMPLING_METHODS
 from .accounting import (
     ACCOUNTANTS,
     PLD_VALUE_DISCRETIZATION_INTERVAL,
@@ -30,7 +31,7 @@ from .accounting import (
     privacy_config,
 )
 from .pld import to_dp_event
-from .sampling import SAMPLING_METHODS, SamplingKind, expected_cohort_size
+from .sampling import SamplingKind, expected_cohort_size
 
 _MAX_BRACKET_STEPS = 40  # σ is searched in [2⁻⁴⁰, 2⁴⁰]
 

@@ -138,8 +138,8 @@ class DdgAccounting:
 class DistributedGaussianAccountant:
     """ε(δ) of the releases of a distributed-noise run: T releases of one :class:`DdgAccounting` at σ_l.
 
-    The interface of :class:`~fedhog.privacy.accounting.ClientLevelAccountant`
-    that the strategy uses.
+    An :class:`~fedhog.privacy.accounting.Accountant`, as
+    :class:`~fedhog.privacy.accounting.ClientLevelAccountant` is.
     """
 
     method = "ddg-rdp"
@@ -156,6 +156,13 @@ class DistributedGaussianAccountant:
         a = self.accounting
         return (f"DistributedGaussianAccountant(σ_l={self.local_std:.6g}, m={a.shares}, Δ₂={a.l2:.6g}, "
                 f"d={a.dimension}, δ={self.delta:g})")
+
+    def describe(self) -> str:
+        """Who adds the noise, and this accountant."""
+        return f"distributed noise: each client adds N_Z(0, σ_l²); accounting: {self!r}"
+
+    def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
+        """Nothing: the clients draw the noise (discrete Gaussians this accountant bounds), not the server's sampler."""
 
     def compose_round(self) -> None:
         """Record one released round."""

@@ -61,7 +61,6 @@ import torch
 from .randomness import BULK_STDS, RandomBits, lattice_gaussian, sampler_log_ratio_bound
 
 MechanismKind = Literal["none", "gaussian", "hog"]
-MECHANISMS: tuple[str, ...] = ("none", "gaussian", "hog")
 
 LATTICE_BITS = 40  # g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): ~2^7 float64 values of the noise per lattice cell
 CLIP_GUARD = 1 - 2.0**-40  # clip a hair inside C, so that float64 rounding of the norm cannot exceed C

@@ -30,13 +30,14 @@ from flwr.supercore.privacy_accounting import (
     PrivacySpent,
     SamplingMethod,
 )
-from flwr.supercore.privacy_accounting.rdp_accountant import (
-    _parse_compositions,
-    _parse_config,
-    _validate_count,
-    _validate_delta,
-    _validate_epsilon,
-    _validate_positive_epsilon,
+
+from ..compat import (
+    parse_compositions,
+    parse_config,
+    validate_count,
+    validate_delta,
+    validate_epsilon,
+    validate_positive_epsilon,
 )
 
 _STATE_SCHEMA_VERSION = 1
@@ -106,17 +107,17 @@ class PldAccountant:
     def compose(self, event: GaussianPrivacyEvent, count: int = 1) -> None:
         """Record ``count`` identical releases of ``event``."""
         self._validate_event(event)
-        _validate_count(count)
+        validate_count(count)
         self._ledger[event] = self._ledger.get(event, 0) + count
 
     def get_epsilon(self, delta: float) -> float:
         """Cumulative ε at ``delta``."""
-        _validate_delta(delta)
+        validate_delta(delta)
         return float(self._backend(self._key()).get_epsilon(delta))
 
     def get_delta(self, epsilon: float) -> float:
         """Cumulative δ at ``epsilon``."""
-        _validate_epsilon(epsilon)
+        validate_epsilon(epsilon)
         return float(self._backend(self._key()).get_delta(epsilon))
 
     def get_privacy_spent(self, delta: float | None = None) -> PrivacySpent:
@@ -141,11 +142,11 @@ class PldAccountant:
         that same release next makes the following :meth:`get_epsilon` free.
         """
         self._validate_event(event)
-        _validate_count(count)
+        validate_count(count)
         limit = self._config.max_epsilon if max_epsilon is None else max_epsilon
         if limit is None:
             raise ValueError("max_epsilon must be supplied either in PrivacyConfig or to would_exceed()")
-        _validate_positive_epsilon("max_epsilon", limit)
+        validate_positive_epsilon("max_epsilon", limit)
         projected = dict(self._ledger)
         projected[event] = projected.get(event, 0) + count
         epsilon = self._backend(tuple(projected.items())).get_epsilon(self._config.target_delta)
@@ -185,7 +186,7 @@ class PldAccountant:
             raise ValueError(f"Unsupported accountant state schema_version={schema_version!r}")
         if state.get("backend") != _ACCOUNTING_METHOD:
             raise ValueError(f"Accountant state backend={state.get('backend')!r} is not 'pld'")
-        restored_config = _parse_config(state.get("config"))
+        restored_config = parse_config(state.get("config"))
         if restored_config != self._config:
             raise ValueError(
                 f"Accountant state config={restored_config} does not match this accountant's "
@@ -195,7 +196,7 @@ class PldAccountant:
             raise ValueError(f"Accountant state value_discretization_interval={interval!r} is not a number")
         _validate_interval(float(interval))
         ledger: dict[GaussianPrivacyEvent, int] = {}
-        for event, count in _parse_compositions(state.get("compositions")):
+        for event, count in parse_compositions(state.get("compositions")):
             self._validate_event(event)
             ledger[event] = ledger.get(event, 0) + count
         self._interval = float(interval)

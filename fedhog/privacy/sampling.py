@@ -11,7 +11,6 @@ from typing import Literal, Sequence
 from .randomness import RandomBits, uniform, uniform_below
 
 SamplingKind = Literal["poisson", "fixed"]
-SAMPLING_METHODS: tuple[str, ...] = ("poisson", "fixed")
 
 
 def poisson_sample(population: Sequence[int], rate: float, bits: RandomBits) -> list[int]:

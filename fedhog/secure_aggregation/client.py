@@ -17,20 +17,14 @@ from typing import cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.client.mod.secure_aggregation.secaggplus_mod import (  # Flower's stage functions (pinned < 1.43)
-    SecAggPlusState,
-    _setup,
-    _share_keys,
-    _unmask,
-    check_configs,
-    check_stage,
-)
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState, check_configs, check_stage
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from .. import protocol
+from ..compat import secaggplus_setup, secaggplus_share_keys, secaggplus_unmask
 from .graph import share_count, threshold_count
 from .masking import mask
 
@@ -114,15 +108,15 @@ def handle_stage(msg: Message, context: Context, contribute: Contribute, guard: 
     if state.current_stage == Stage.SETUP:
         guard.check_setup(configs)
         state.nid = msg.metadata.dst_node_id
-        result = _setup(state, configs)
+        result = secaggplus_setup(state, configs)
     elif state.current_stage == Stage.SHARE_KEYS:
-        result = _share_keys(state, configs)
+        result = secaggplus_share_keys(state, configs)
     elif state.current_stage == Stage.COLLECT_MASKED_VECTORS:
         content[protocol.MASKED] = ArrayRecord({protocol.MASKED: Array(_masked_vector(state, configs, contribute))})
         result = {}
     else:
         guard.check_unmask(state, configs)
-        result = _unmask(state, configs)
+        result = secaggplus_unmask(state, configs)
     context.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
     content[RECORD_KEY_CONFIGS] = ConfigRecord(result, False)
     return Message(content, reply_to=msg)

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..choices import MAX_MODULUS_BITS, MIN_MODULUS_BITS
 from ..privacy.mechanism import NoiseLattice
 from ..privacy.randomness import RandomBits, uniform
 
-MIN_MODULUS_BITS = 16
-MAX_MODULUS_BITS = 62  # residues and the centred sum stay exact in int64
 WRAP_STDS = 10  # the range holds the noise of a full cohort to 10 standard deviations
 
 

@@ -1,0 +1,142 @@
+"""The contract of every private Flower / Opacus name fedhog uses (:mod:`fedhog.compat`): an upgrade that
+moves or changes one fails here, and no other fedhog module imports one."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
+                                               SamplingMethod)
+from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+from flwr.supercore.task_identity import TaskIdentity
+
+import fedhog
+from fedhog import compat
+from fedhog.privacy.pld import PldAccountant
+
+PACKAGE = Path(fedhog.__file__).parent
+CONFIG = PrivacyConfig(target_delta=1e-5, population_size=1000,
+                       neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                       sampling_method=SamplingMethod.POISSON, max_epsilon=8.0)
+EVENT = GaussianPrivacyEvent(noise_multiplier=1.5, sample_size=100, population_size=1000)
+
+
+@pytest.mark.parametrize("stage", [compat.secaggplus_setup, compat.secaggplus_share_keys, compat.secaggplus_unmask])
+def test_secaggplus_stages_take_state_and_configs(stage) -> None:
+    """fedhog's client calls each stage as ``stage(state, configs)`` and replies with the dict it returns."""
+    signature = inspect.signature(stage)
+    assert list(signature.parameters) == ["state", "configs"]
+    assert "SecAggPlusState" in str(signature.parameters["state"].annotation)
+    assert "ConfigRecord" in str(signature.parameters["configs"].annotation)
+    assert str(signature.return_annotation).startswith("dict[str")
+
+
+def test_secaggplus_setup_answers_with_public_keys() -> None:
+    """The setup stage of a 3-node round returns the node's two public keys (what the server forwards)."""
+    from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+    from flwr.common.secure_aggregation.secaggplus_constants import Key
+
+    state = SecAggPlusState(nid=7)
+    configs = ConfigRecord({Key.SAMPLE_NUMBER: 3, Key.SHARE_NUMBER: 3, Key.THRESHOLD: 2, Key.CLIPPING_RANGE: 8.0,
+                            Key.TARGET_RANGE: 1 << 16, Key.MOD_RANGE: 1 << 20, Key.MAX_WEIGHT: 1.0})
+    reply = compat.secaggplus_setup(state, configs)
+    assert set(reply) == {Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2}
+    assert all(isinstance(key, bytes) and key for key in reply.values())
+    assert (state.sample_num, state.share_num, state.threshold, state.mod_range) == (3, 3, 2, 1 << 20)
+
+
+@pytest.mark.parametrize("make", [RdpAccountant, PldAccountant])
+def test_the_state_parsers_read_what_the_accountants_write(make) -> None:
+    accountant = make(CONFIG)
+    accountant.compose(EVENT, count=3)
+    state = accountant.state_dict()
+    assert compat.parse_config(state["config"]) == CONFIG
+    assert compat.parse_compositions(state["compositions"]) == [(EVENT, 3)]
+    with pytest.raises(ValueError):
+        compat.parse_config({**state["config"], "population_size": "many"})
+    with pytest.raises(ValueError):
+        compat.parse_compositions([{"event": {"noise_multiplier": 1.0}, "count": 1}])
+
+
+@pytest.mark.parametrize(("validate", "good", "bad"), [
+    (compat.validate_count, [1, 500], [0, -1, True, 1.5]),
+    (compat.validate_delta, [1e-5, 0.5], [0.0, 1.0, -1e-5, math.nan]),
+    (compat.validate_epsilon, [0.0, 3.0], [-1.0, math.inf, math.nan]),
+    (lambda e: compat.validate_positive_epsilon("max_epsilon", e), [0.1, 8.0], [0.0, -1.0, math.inf, True]),
+])
+def test_the_validators_accept_good_values_and_refuse_bad_ones(validate, good, bad) -> None:
+    for value in good:
+        validate(value)
+    for value in bad:
+        with pytest.raises(ValueError):
+            validate(value)
+
+
+def test_validator_signatures() -> None:
+    for name in ("validate_count", "validate_delta", "validate_epsilon"):
+        assert len(inspect.signature(getattr(compat, name)).parameters) == 1, name
+    assert list(inspect.signature(compat.validate_positive_epsilon).parameters) == ["name", "epsilon"]
+    for name in ("parse_config", "parse_compositions"):
+        assert list(inspect.signature(getattr(compat, name)).parameters) == ["value"], name
+
+
+def test_a_stamped_message_reads_back_its_id_and_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the in-process engine needs: the stamp survives the protobuf a message travels as, and a reply
+    made to it points back at it."""
+    for name, value in (("_task_id", 1), ("_run_id", 42), ("_node_id", 0)):  # a ServerApp's task, as the engine sets
+        monkeypatch.setattr(TaskIdentity, name, value)
+    message = Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=3, message_type="train")
+    compat.stamp_message(message, "abc123", 7)
+    travelled = message_from_proto(message_to_proto(message))
+    for copy in (message, travelled):
+        assert (copy.metadata.message_id, copy.metadata.run_id) == ("abc123", 7)
+    reply = Message(RecordDict(), reply_to=travelled)
+    assert reply.metadata.reply_to_message_id == "abc123" and reply.metadata.run_id == 7
+
+
+def test_opacus_refuses_a_marked_gradient() -> None:
+    check, mark = compat.opacus_processed_flags()
+    gradient = torch.ones(3)
+    check(gradient)  # fresh: accepted
+    mark(gradient)
+    with pytest.raises(ValueError):
+        check(gradient)
+    assert [list(inspect.signature(f).parameters) for f in (check, mark)] == [["obj"], ["obj"]]
+
+
+def private_uses(path: Path) -> list[str]:
+    """Private Flower / Opacus names ``path`` imports, and ``__dict__[...]`` writes it makes."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("flwr", "opacus"):
+            private = [alias.name for alias in node.names if alias.name.startswith("_")]
+            if private or any(part.startswith("_") for part in node.module.split(".")):
+                found.append(f"{path.name}:{node.lineno} from {node.module} import {', '.join(private)}")
+        elif isinstance(node, ast.Import):
+            found += [f"{path.name}:{node.lineno} import {alias.name}" for alias in node.names
+                      if alias.name.split(".")[0] in ("flwr", "opacus")
+                      and any(part.startswith("_") for part in alias.name.split("."))]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__":
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_other_module_uses_a_private_name() -> None:
+    uses = {str(path.relative_to(PACKAGE)): private_uses(path) for path in sorted(PACKAGE.rglob("*.py"))}
+    assert len(uses["compat.py"]) >= 11  # the scan sees what compat holds
+    assert {name: found for name, found in uses.items() if found and name != "compat.py"} == {}
+
+
+def test_the_scan_finds_private_uses(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from flwr.serverapp import Grid\nfrom opacus.optimizers.optimizer import _check_processed_flag\n"
+                      "import flwr._internal\nx.metadata.__dict__['_run_id'] = 1\n")
+    assert private_uses(module) == ["m.py:2 from opacus.optimizers.optimizer import _check_processed_flag",
+                                    "m.py:3 import flwr._internal", "m.py:4 x.metadata.__dict__['_run_id']"]
