@@ -8,8 +8,13 @@ import pytest
 from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
 from fedhog import choices
-from fedhog.privacy.accounting import (ACCOUNTANT_REGISTRY, Accountant, ClientLevelAccountant, new_backend,
-                                       privacy_config)
+from fedhog.privacy.accounting import (
+    ACCOUNTANT_REGISTRY,
+    Accountant,
+    ClientLevelAccountant,
+    new_backend,
+    privacy_config,
+)
 from fedhog.privacy.distributed_gaussian import DdgAccounting, DistributedGaussianAccountant
 
 
@@ -19,7 +24,7 @@ def test_the_registry_offers_the_config_choices() -> None:
         new_backend(privacy_config("poisson", 10_000, 1e-5), "prv")
 
 
-@pytest.mark.parametrize(("name", "expected"), [("rdp", 7.90), ("pld", 7.05)])
+@pytest.mark.parametrize("name,expected", [("rdp", 7.90), ("pld", 7.05)])
 def test_each_registered_accountant_bounds_the_sampled_gaussian(name: str, expected: float) -> None:
     """σ = 1, q = 0.1, T = 100, δ = 1e-5: the figures dp_accounting gives (shared/notes/flower-1.42.md)."""
     accountant = new_backend(privacy_config("poisson", 10_000, 1e-5), name)
@@ -47,7 +52,7 @@ def test_each_accountant_has_the_whole_interface(make) -> None:
 def test_describe_says_what_the_start_up_log_said() -> None:
     """The line the strategy's summary printed from the event (its old format), now the accountant's own."""
     fixed = ClientLevelAccountant(1.0, "fixed", 0.1, 1000, 1e-5, accountant="pld")
-    old = "accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g" % (
+    old = "accounting: %s, %s sampling, accountant σ=%g, expected cohort %d of %d, δ=%g" % (  # noqa: UP031 (its old format)
         fixed.method, fixed.sampling, fixed.event.noise_multiplier, fixed.event.sample_size,
         fixed.event.population_size, fixed.delta)
     assert fixed.describe() == old == ("accounting: rdp, fixed sampling, accountant σ=0.5, expected cohort 100 of "

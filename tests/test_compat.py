@@ -12,8 +12,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
-from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
-                                               SamplingMethod)
+from flwr.supercore.privacy_accounting import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, SamplingMethod
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -59,23 +58,24 @@ def test_the_state_parsers_read_what_the_accountants_write(make) -> None:
     state = accountant.state_dict()
     assert compat.parse_config(state["config"]) == CONFIG
     assert compat.parse_compositions(state["compositions"]) == [(EVENT, 3)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Invalid privacy configuration in accountant state"):
         compat.parse_config({**state["config"], "population_size": "many"})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Invalid composition in accountant state"):
         compat.parse_compositions([{"event": {"noise_multiplier": 1.0}, "count": 1}])
 
 
-@pytest.mark.parametrize(("validate", "good", "bad"), [
-    (compat.validate_count, [1, 500], [0, -1, True, 1.5]),
-    (compat.validate_delta, [1e-5, 0.5], [0.0, 1.0, -1e-5, math.nan]),
-    (compat.validate_epsilon, [0.0, 3.0], [-1.0, math.inf, math.nan]),
-    (lambda e: compat.validate_positive_epsilon("max_epsilon", e), [0.1, 8.0], [0.0, -1.0, math.inf, True]),
+@pytest.mark.parametrize("validate,good,bad,named", [
+    (compat.validate_count, [1, 500], [0, -1, True, 1.5], "count"),
+    (compat.validate_delta, [1e-5, 0.5], [0.0, 1.0, -1e-5, math.nan], "delta"),
+    (compat.validate_epsilon, [0.0, 3.0], [-1.0, math.inf, math.nan], "epsilon"),
+    (lambda e: compat.validate_positive_epsilon("max_epsilon", e), [0.1, 8.0], [0.0, -1.0, math.inf, True],
+     "max_epsilon"),
 ])
-def test_the_validators_accept_good_values_and_refuse_bad_ones(validate, good, bad) -> None:
+def test_the_validators_accept_good_values_and_refuse_bad_ones(validate, good, bad, named) -> None:
     for value in good:
         validate(value)
     for value in bad:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"^{named} must be"):
             validate(value)
 
 
@@ -106,7 +106,7 @@ def test_opacus_refuses_a_marked_gradient() -> None:
     gradient = torch.ones(3)
     check(gradient)  # fresh: accepted
     mark(gradient)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Gradients haven't been cleared"):
         check(gradient)
     assert [list(inspect.signature(f).parameters) for f in (check, mark)] == [["obj"], ["obj"]]
 
@@ -123,7 +123,8 @@ def private_uses(path: Path) -> list[str]:
             found += [f"{path.name}:{node.lineno} import {alias.name}" for alias in node.names
                       if alias.name.split(".")[0] in ("flwr", "opacus")
                       and any(part.startswith("_") for part in alias.name.split("."))]
-        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__":
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "__dict__"):
             found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     return found
 
