@@ -157,6 +157,9 @@ class DistributedGaussianAccountant:
         return (f"DistributedGaussianAccountant(σ_l={self.local_std:.6g}, m={a.shares}, Δ₂={a.l2:.6g}, "
                 f"d={a.dimension}, δ={self.delta:g})")
 
+    def plan(self, rounds: int) -> None:
+        """Nothing to compute ahead: ε after n releases is n·RDP, in constant time."""
+
     def compose_round(self) -> None:
         """Record one released round."""
         self.releases += 1
