@@ -14,6 +14,7 @@ import torch
 
 from .files import atomic_write
 from .interrupts import deferred
+from .results import read_round_log
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
@@ -39,7 +40,9 @@ class Checkpoint:
     accountant : dict
         :meth:`ClientLevelAccountant.state_dict` (the releases so far).
     rounds : list
-        The per-round records written to ``metrics.json`` so far.
+        The per-round records not yet in ``rounds.jsonl`` when the checkpoint
+        was written (the round's own; every round in checkpoints before
+        ``rounds_logged`` existed).
     adaptive_clipping : dict, optional
         :meth:`AdaptiveClipping.state_dict` (the current clipping norm), when on.
     job_id : str
@@ -47,6 +50,8 @@ class Checkpoint:
         their record-level accountants under it).
     server_optimizer : dict, optional
         :meth:`ServerOptimizer.state_dict` (momenta: functions of the releases).
+    rounds_logged : int
+        How many rounds ``rounds.jsonl`` held before ``rounds``.
     """
 
     round: int
@@ -56,6 +61,7 @@ class Checkpoint:
     adaptive_clipping: dict[str, Any] | None = None
     job_id: str = ""
     server_optimizer: dict[str, Any] | None = None
+    rounds_logged: int = 0
 
 
 def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
@@ -91,6 +97,22 @@ def _keep_previous(path: Path, previous: Path) -> None:
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
+
+
+def checkpointed_rounds(directory: Path, checkpoint: Checkpoint) -> list[dict[str, Any]]:
+    """Every round's record up to the checkpoint's: the round log's first ``rounds_logged``, then its own.
+
+    Raises
+    ------
+    CheckpointError
+        If ``rounds.jsonl`` lost rounds the checkpoint counts on.
+    """
+    if not checkpoint.rounds_logged:
+        return list(checkpoint.rounds)
+    try:
+        return read_round_log(directory, checkpoint.rounds_logged) + list(checkpoint.rounds)
+    except ValueError as error:
+        raise CheckpointError(f"cannot resume round {checkpoint.round + 1}: {error}") from None
 
 
 def load_checkpoint(directory: Path) -> Checkpoint:

@@ -113,16 +113,17 @@ def run_flower_dp(
         metrics = evaluate_fn(server_round, arrays)
         train_loss = train_metrics.pop()["train-loss"] if train_metrics and released else math.nan
         train_metrics.clear()
+        # everything since the last round's record: that round's diagnostics and writes included
+        seconds, started = (now := time.perf_counter()) - started, now
         on_round(RoundRecord(
             round=server_round, clients_sampled=cohort, clients_accepted=cohort if released else 0,
             clients_rejected=0 if released else cohort, epsilon=spent.epsilon,
-            seconds=time.perf_counter() - started, accuracy=metrics["accuracy"], loss=metrics["loss"],
+            seconds=seconds, accuracy=metrics["accuracy"], loss=metrics["loss"],
             validation_accuracy=metrics.get("validation-accuracy", math.nan),
             validation_loss=metrics.get("validation-loss", math.nan),
             auroc=metrics.get("auroc", math.nan), auprc=metrics.get("auprc", math.nan),
             train_loss=train_loss, noise_std=config.noise_multiplier * config.clipping_norm / cohort,
             clipping_norm=config.clipping_norm), arrays)
-        started = time.perf_counter()
         return metrics
 
     log(INFO, "flower-dp baseline: %r, σ=%.6g, clip η·C=%.6g, K=%d of N=%d, RdpAccountant (no amplification)",

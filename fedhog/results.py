@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
+import os
 import re
 import shutil
 import tempfile
@@ -14,14 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, RunConfig, toml_value
 from .files import atomic_write, json_safe
+from .interrupts import deferred
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
-RUN_FILES = ("config.toml", "metrics.json", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
+RUN_FILES = ("config.toml", "metrics.json", "rounds.jsonl", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
              "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt", ".stop-requested")
 STOP_REQUEST = ".stop-requested"  # written by a launcher that is about to stop the run's processes
+ROUND_LOG = "rounds.jsonl"  # one line a finished round, appended as it finishes: what --resume reads back
+FLUSH_SECONDS = 1.0  # metrics.json is rewritten at most this often while rounds go by (and at every status change)
 
 
 def request_stop(directory: Path) -> None:
@@ -177,12 +182,18 @@ def published_config(config: RunConfig) -> dict[str, Any]:
 
 
 class ResultsWriter:
-    """Writes ``config.toml``, ``metrics.json`` and ``final_model.pt`` into one folder.
+    """Writes ``config.toml``, ``metrics.json``, ``rounds.jsonl`` and ``final_model.pt`` into one folder.
 
-    A ``launch`` entry already in ``metrics.json`` (:func:`record_launch`) is kept.
+    Each finished round is appended to ``rounds.jsonl`` (one JSON line, its
+    floats exact) at once; ``metrics.json``, the whole document, is rewritten
+    when a round finishes at least :data:`FLUSH_SECONDS` after the last
+    rewrite, and whenever a top-level field changes (status, summary...), so a
+    round costs one short append however long the run. A ``launch`` entry
+    already in ``metrics.json`` (:func:`record_launch`) is kept; ``rounds``
+    are the records of the rounds a resumed run keeps.
     """
 
-    def __init__(self, directory: Path, config: RunConfig) -> None:
+    def __init__(self, directory: Path, config: RunConfig, rounds: list[dict[str, Any]] | None = None) -> None:
         self.directory = directory.resolve()
         self.directory.mkdir(parents=True, exist_ok=True)
         launch = (read_run_document(self.directory) or {}).get("launch")
@@ -191,9 +202,11 @@ class ResultsWriter:
             **({"launch": launch} if launch is not None else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config": published_config(config),
-            "rounds": [],
+            "rounds": list(rounds or []),
         }
         atomic_write(self.directory / "config.toml", config_to_toml(config).encode())
+        atomic_write(self.directory / ROUND_LOG, "".join(_log_line(row) for row in self.document["rounds"]).encode())
+        self._flushed_at = -math.inf
         self._flush()
 
     @property
@@ -201,11 +214,25 @@ class ResultsWriter:
         """Where the per-round metrics are."""
         return self.directory / "metrics.json"
 
-    def add_round(self, record: Any) -> None:
-        """Append one round (a dataclass) and rewrite ``metrics.json`` (without the start-up ``stage``)."""
-        self.document.pop("stage", None)
-        self.document["rounds"].append(dataclasses.asdict(record))
+    @property
+    def rounds_logged(self) -> int:
+        """How many rounds ``rounds.jsonl`` holds."""
+        return len(self.document["rounds"])
+
+    def add_round(self, record: Any) -> bool:
+        """Append one round (a dataclass) to ``rounds.jsonl`` and the document; True if ``metrics.json`` was
+        rewritten with it (always where it showed a start-up ``stage``, which the round ends)."""
+        row = dataclasses.asdict(record)
+        with deferred(), open(self.directory / ROUND_LOG, "a", encoding="utf-8") as log:
+            log.write(_log_line(row))
+            log.flush()
+            os.fsync(log.fileno())
+        staged = self.document.pop("stage", None) is not None  # a display showing the start-up switches to rounds
+        self.document["rounds"].append(row)
+        if not staged and time.monotonic() - self._flushed_at < FLUSH_SECONDS:
+            return False
         self._flush()
+        return True
 
     def update(self, **fields: Any) -> None:
         """Set top-level fields (summary, status, ...) and rewrite ``metrics.json``."""
@@ -225,3 +252,28 @@ class ResultsWriter:
     def _flush(self) -> None:
         text = json.dumps(json_safe(self.document), indent=2)
         atomic_write(self.metrics_path, text.encode())
+        self._flushed_at = time.monotonic()
+
+
+def _log_line(row: dict[str, Any]) -> str:
+    """One round as a line of ``rounds.jsonl``: Python's JSON, whose NaN and Infinity read back as they were."""
+    return json.dumps(row, allow_nan=True, separators=(",", ":")) + "\n"
+
+
+def read_round_log(directory: Path, count: int) -> list[dict[str, Any]]:
+    """The first ``count`` rounds of ``rounds.jsonl`` in ``directory``.
+
+    Raises
+    ------
+    ValueError
+        If the log is missing or holds fewer than ``count`` whole lines.
+    """
+    path = directory / ROUND_LOG
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)[:count]
+    except OSError as error:
+        raise ValueError(f"{path} cannot be read: {error}") from None
+    whole = [line for line in lines if line.endswith("\n")]
+    if len(whole) < count:
+        raise ValueError(f"{path} holds {len(whole)} whole rounds, {count} expected")
+    return [json.loads(line) for line in whole]

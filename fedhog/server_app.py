@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -17,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, checkpointed_rounds, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .diagnostics import saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
@@ -102,7 +103,8 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     started = time.perf_counter()
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
     checkpoint = load_checkpoint(directory) if config.resume else None
-    writer = ResultsWriter(directory, config.with_overrides({"resume": False}))
+    kept = checkpointed_rounds(directory, checkpoint) if checkpoint is not None else None
+    writer = ResultsWriter(directory, config.with_overrides({"resume": False}), rounds=kept)
     with _stages_into(writer):
         return _train(grid, config, writer, checkpoint, started)
 
@@ -133,7 +135,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
            started: float) -> Path:
     """:func:`run_server` once its results folder is open."""
     if checkpoint is not None:
-        writer.update(rounds=checkpoint.rounds, resumed_after_round=checkpoint.round)
+        writer.update(resumed_after_round=checkpoint.round)
     log(INFO, "fedhog results folder: %s", writer.directory)
     monitor = ServerMetrics()
 
@@ -199,6 +201,8 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
                               seconds=time.perf_counter() - started)
         raise
     finally:
+        if writer.document["rounds"]:  # the last rounds' gauges, which the snapshot's cadence may have skipped
+            monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         monitor.stop()
     rounds = writer.document["rounds"]
     final = rounds[-1] if rounds else {}
@@ -235,16 +239,18 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        with deferred():  # an interrupt waits until the round's metrics and checkpoint are written
-            writer.add_round(record)
-            monitor.observe_round(record, strategy.client_metrics)
-            monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+        with deferred():  # an interrupt waits until the round's checkpoint and metrics are written
+            # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
+            # is written after it, so a resume never releases again a round that anyone has seen
             save_checkpoint(writer.directory, Checkpoint(
                 round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-                rounds=writer.document["rounds"], job_id=job_id,
+                rounds=[dataclasses.asdict(record)], rounds_logged=writer.rounds_logged, job_id=job_id,
                 server_optimizer=strategy.server_optimizer.state_dict(),
                 adaptive_clipping=None if strategy.adaptive_clipping is None
                 else strategy.adaptive_clipping.state_dict()))
+            if writer.add_round(record):
+                monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
+            monitor.observe_round(record, strategy.client_metrics)
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
         _stop_if_rounds_empty(writer.document["rounds"], strategy.rejection_reasons, config.delta)
 
@@ -314,9 +320,9 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
         if stop_requested(writer.directory):
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        writer.add_round(record)
+        if writer.add_round(record):
+            monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         monitor.observe_round(record)
-        monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
 
     writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier,
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "

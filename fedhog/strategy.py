@@ -602,6 +602,7 @@ class SecureAggregator(Strategy):
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
         self.cover_sampler(sum(int(np.prod(a.shape)) for a in initial_arrays.values()))
+        self.accountant.plan(num_rounds)  # each round's ε, composed ahead in the background
         if isinstance(self.accountant, ClientLevelAccountant):
             tail = self.accountant.sampler_slack(num_rounds).delta
             if tail > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
@@ -611,12 +612,12 @@ class SecureAggregator(Strategy):
                     f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
         result = Result()
         arrays = initial_arrays
+        handed_over = time.perf_counter()  # when the last round's record was complete: where this round's time starts
         for server_round in range(first_round, num_rounds + 1):
             if self.accountant.would_exceed(self.max_epsilon):
                 log(WARNING, "Stopping before round %d: its release would take ε past max-epsilon=%g "
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
                 break
-            started = time.perf_counter()
             if self.secure_aggregation is not None:  # message by message on every engine (vectorized included)
                 new_arrays, train_metrics = self.secure_round(grid, server_round, arrays,
                                                               ConfigRecord(dict(train_config or {})), timeout)
@@ -641,12 +642,14 @@ class SecureAggregator(Strategy):
                     record.validation_accuracy = float(metrics["validation-accuracy"])
                     record.validation_loss = float(metrics["validation-loss"])
                 record.auroc, record.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
-            record.seconds = time.perf_counter() - started
+            # everything since the last round's record: that round's diagnostics, checkpoint and writes included
+            record.seconds = (now := time.perf_counter()) - handed_over
+            handed_over = now
+            if on_round:
+                on_round(record, arrays)
             log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
                 server_round, record.accuracy, record.epsilon, record.clients_sampled,
                 record.clients_accepted, record.clients_rejected)
-            if on_round:
-                on_round(record, arrays)
         result.arrays = arrays
         return result
 

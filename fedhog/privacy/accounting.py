@@ -36,6 +36,7 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant  # it
 from ..choices import ACCOUNTANTS
 from .mechanism import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
+from .schedule import EpsilonSchedule
 
 # PLD grid width. Rounding is pessimistic: against dp_accounting's default 1e-4 grid, ε is
 # overstated by < 1e-3 when ε ≥ 1 (T ≤ 1000) but by up to 0.02 when ε < 0.1, and ε after
@@ -96,6 +97,9 @@ class Accountant(Protocol):
 
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
         """Count the slack of the server's lattice sampler in ε and δ (nothing where the clients add the noise)."""
+
+    def plan(self, rounds: int) -> None:
+        """Say that up to ``rounds`` releases will be asked for (their ε may be computed ahead)."""
 
     def compose_round(self) -> None:
         """Record one released round."""
@@ -172,7 +176,8 @@ class ClientLevelAccountant:
         self._event: GaussianPrivacyEvent | None = None
         self.releases = 0
         self._noise_values: tuple[float, int] | None = None  # (std in lattice steps, values drawn a release)
-        self._projections: dict[int, float] = {}  # ε after n releases of the round's (fixed) event
+        self._schedule = EpsilonSchedule(self._epsilon_after)  # ε after n releases of the round's (fixed) event
+        self._scheduled = accountant == "pld" == self.method  # ε read from the schedule (while the ledger is its own)
         if has_guarantee and noise_multiplier > 0:
             self._backend = new_backend(privacy_config(sampling, population, delta), self.method)
             self._event = GaussianPrivacyEvent(
@@ -217,6 +222,12 @@ class ClientLevelAccountant:
             return 0.0
         return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, 0.0, self.delta).epsilon
 
+    def plan(self, rounds: int) -> None:
+        """Compute ε after each release up to ``rounds`` ahead, in the background (PLD: the same values, off the
+        rounds' path; RDP composes in constant time and needs no plan)."""
+        if self._backend is not None and self._scheduled:
+            self._schedule.plan(self.releases + 1, rounds)
+
     def compose_round(self) -> None:
         """Record one released round."""
         self.releases += 1
@@ -229,7 +240,9 @@ class ClientLevelAccountant:
             return math.inf if self.releases else 0.0
         if self.releases == 0:
             return 0.0
-        return self._backend.get_epsilon(self.delta) + self._epsilon_slack(self.releases)
+        # PLD: the committed n releases of one fixed event are one composition with count n, which the schedule holds
+        composed = self._projected(self.releases) if self._scheduled else self._backend.get_epsilon(self.delta)
+        return composed + self._epsilon_slack(self.releases)
 
     def would_exceed(self, max_epsilon: float) -> bool:
         """Whether releasing one more round would push ε past ``max_epsilon``."""
@@ -239,19 +252,22 @@ class ClientLevelAccountant:
             return True
         slack = self._epsilon_slack(self.releases + 1)
         if self.method == "pld":
-            # one composition with count T+1, cached for the next round's epsilon()
-            return self._backend.would_exceed(self._event, max_epsilon - slack)
+            if max_epsilon - slack <= 0 or not self._scheduled:  # the backend refuses a non-positive limit, naming it
+                return self._backend.would_exceed(self._event, max_epsilon - slack)
+            return self._projected(self.releases + 1) > max_epsilon - slack
         return self._projected(self.releases + 1) + slack > max_epsilon
 
     def _projected(self, releases: int) -> float:
-        """ε after ``releases`` releases of the round's event (RDP: one composition with that count, in constant time;
-        Flower's would_exceed replays every event). Remembered: the run's start asks for the planned rounds twice."""
-        if releases in self._projections:
-            return self._projections[releases]
+        """ε after ``releases`` releases of the round's event, remembered (the run's start asks for the planned
+        rounds twice; each round asks for its own)."""
+        return self._schedule(releases)
+
+    def _epsilon_after(self, releases: int) -> float:
+        """ε after ``releases`` releases of the round's event: one composition with that count (RDP: in constant
+        time; Flower's would_exceed replays every event)."""
         projected = new_backend(self._backend.config, self.method)
         projected.compose(self._event, count=releases)
-        self._projections[releases] = projected.get_epsilon(self.delta)
-        return self._projections[releases]
+        return projected.get_epsilon(self.delta)
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""
@@ -263,3 +279,14 @@ class ClientLevelAccountant:
         self.releases = int(state["releases"])
         if self._backend is not None:
             self._backend.load_state_dict(state["backend"])
+            self._scheduled = self.method == "pld" and self._ledger_is_own()
+
+    def _ledger_is_own(self) -> bool:
+        """Whether the backend holds exactly :attr:`releases` releases of this accountant's event, on its grid
+        (a restored state could hold others: then ε is the backend's, not the schedule's)."""
+        state = self._backend.state_dict()
+        event = {"noise_multiplier": self._event.noise_multiplier, "sample_size": self._event.sample_size,
+                 "population_size": self._event.population_size}
+        own = [{"event": event, "count": self.releases}] if self.releases else []
+        return (state["compositions"] == own
+                and state["value_discretization_interval"] == PLD_VALUE_DISCRETIZATION_INTERVAL)

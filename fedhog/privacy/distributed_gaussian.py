@@ -164,6 +164,9 @@ class DistributedGaussianAccountant:
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
         """Nothing: the clients draw the noise (discrete Gaussians this accountant bounds), not the server's sampler."""
 
+    def plan(self, rounds: int) -> None:
+        """Nothing to compute ahead: ε after n releases is n·RDP, in constant time."""
+
     def compose_round(self) -> None:
         """Record one released round."""
         self.releases += 1
