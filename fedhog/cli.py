@@ -59,7 +59,7 @@ def _simulation(config: RunConfig, client_cpus: int) -> None:
 
 def _inprocess(config: RunConfig, client_cpus: int) -> None:
     from .client_app import app as client_app  # heavy imports only when running
-    from .engine import run_in_process
+    from .engines.inprocess import run_in_process
     from .server_app import app as server_app
 
     run_in_process(server_app, client_app, config.population, config.to_mapping())
@@ -68,7 +68,7 @@ def _inprocess(config: RunConfig, client_cpus: int) -> None:
 def _vectorized(config: RunConfig, client_cpus: int) -> None:
     from .client_app import app as client_app  # heavy imports only when running
     from .server_app import app as server_app
-    from .vectorized import run_vectorized
+    from .engines.vectorized import run_vectorized
 
     run_vectorized(server_app, client_app, config)
 

@@ -103,7 +103,7 @@ class RoundRecord:
 
 @runtime_checkable
 class CohortGrid(Protocol):
-    """A Grid that computes a whole cohort's results at once (:class:`fedhog.vectorized.VectorizedGrid`)."""
+    """A Grid that computes a whole cohort's results at once (:class:`fedhog.engines.vectorized.VectorizedGrid`)."""
 
     def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
         """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""

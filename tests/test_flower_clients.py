@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.server_app import build_strategy
 from fedhog.strategy import SECURE_NEEDS_FEDHOG_CLIENTS, WEIGHTS_UNDER_SECURE_AGGREGATION
 

@@ -8,7 +8,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp.strategy import FedAdam, FedAvgM, FedYogi
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
 SHAPE = (3, 4)
@@ -107,7 +107,7 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, monkeyp
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
     from fedhog.server_app import app as server_app
-    from fedhog.vectorized import run_vectorized
+    from fedhog.engines.vectorized import run_vectorized
 
     monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
     base = {"dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5, "partitioner": "iid",

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Met
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal

@@ -15,7 +15,7 @@ from fedhog.config import ConfigError, load_config
 from fedhog.derivatives import third_order_vector
 from fedhog.export import export_model
 from fedhog.models import build_model
-from fedhog.vectorized import unbatchable_reason
+from fedhog.engines.vectorized import unbatchable_reason
 
 MODULE = "fh_user_models"  # written into a temporary folder on sys.path by the fixture
 SOURCE = textwrap.dedent('''

@@ -16,15 +16,15 @@ import torch
 
 from fedhog.client_app import app as client_app
 from fedhog.client_app import third_order_term
-from fedhog.cohort import CohortTrainer, HogSettings
+from fedhog.engines.cohort import CohortTrainer, HogSettings
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_client_data, load_test_set, population_training_data
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.models import build_model
 from fedhog.server_app import app as server_app
 from fedhog.strategy import CohortGrid
 from fedhog.training import direction_seed, train_locally
-from fedhog.vectorized import VectorizedGrid, run_vectorized, unbatchable_reason
+from fedhog.engines.vectorized import VectorizedGrid, run_vectorized, unbatchable_reason
 
 SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate": 0.5, "rounds": 3,
          "partitioner": "dirichlet", "local-epochs": 2, "batch-size": 8, "learning-rate": 0.1, "momentum": 0.5,

@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 
 from fedhog.checkpoint import load_checkpoint
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.server_app import app as server_app
 from fedhog.strategy import MAX_EMPTY_IN_A_ROW
 

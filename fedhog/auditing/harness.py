@@ -323,7 +323,7 @@ def run_flower_dp(config: RunConfig, canaries: CanarySet, hook: StrategyHook | N
     """One run of Flower's accounted DP wrapper over FedAvg, its clients replying θ + canary."""
     from flwr.clientapp import ClientApp
 
-    from ..engine import InProcessGrid
+    from ..engines.inprocess import InProcessGrid
     from ..flower_baseline import build_flower_dp_strategy, flower_dp_reply
 
     relation = relation_of(config)

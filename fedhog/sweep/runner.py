@@ -165,9 +165,9 @@ def tuning_choices(sweep: Sweep) -> tuple[list[TrialScore], dict[tuple[str, tupl
 
 def _run_cell(cell: Cell, engine: str) -> None:
     from ..client_app import app as client_app  # heavy imports only when running
-    from ..engine import run_in_process
+    from ..engines.inprocess import run_in_process
     from ..server_app import app as server_app
-    from ..vectorized import run_vectorized
+    from ..engines.vectorized import run_vectorized
 
     shutil.rmtree(cell.directory, ignore_errors=True)  # a crashed run starts over
     if engine == "vectorized":

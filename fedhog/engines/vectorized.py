@@ -3,7 +3,7 @@
 :class:`VectorizedGrid` is the in-process Grid (the same ServerApp and
 SecureAggregator; discovery and any message go through the real ClientApp)
 that also offers ``train_cohort``: the strategy hands it the round's cohort
-and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
+and gets every client's result back from :class:`~fedhog.engines.cohort.CohortTrainer`
 instead of one message per client. Flower's own strategy (the ``flower-dp``
 baseline) sends one train message per client: ``send_and_receive`` trains
 such a batch of messages at once and answers each as the ClientApp would.
@@ -27,15 +27,15 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import ServerApp
 
-from . import protocol
+from .. import protocol
 from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
-from .config import RunConfig
-from .data import dataset_info, population_training_data
-from .engine import InProcessGrid
-from .models import build_model, is_factory
-from .monitoring import measure_peak_memory
-from .strategy import ClientResult
-from .training import direction_seed, select_device
+from ..config import RunConfig
+from ..data import dataset_info, population_training_data
+from .inprocess import InProcessGrid
+from ..models import build_model, is_factory
+from ..monitoring import measure_peak_memory
+from ..strategy import ClientResult
+from ..training import direction_seed, select_device
 
 
 def unbatchable_reason(config: RunConfig) -> str | None:
@@ -79,7 +79,7 @@ class VectorizedGrid(InProcessGrid):
         return [self._transport(reply) for reply in self._train_for_flower([self._transport(m) for m in messages])]
 
     def _train_for_flower(self, messages: list[Message]) -> list[Message]:
-        from .flower_baseline import flower_dp_reply
+        from ..flower_baseline import flower_dp_reply
 
         arrays = messages[0].content["arrays"]
         if any(m.content["arrays"] != arrays for m in messages):

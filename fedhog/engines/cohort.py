@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
-from .training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
+from ..training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
 
 
 def unbatchable_model_reason(model: nn.Module) -> str | None:
