@@ -22,7 +22,8 @@ from rich.table import Table
 from . import __version__, interrupts
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
-from .deploy import DeployError, deploy_local, simulate_local
+from .deploy import DeployError, deploy_local
+from .engines.simulation import simulate_local
 from .export import FORMATS, ExportError, export_model
 from .progress import console, format_value, read_metrics_file, watch_metrics
 from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
