@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fedhog
-from fedhog.api import check_inputs
+from fedhog.engines import check_inputs
 from fedhog.config import ConfigError, load_config
 from fedhog.derivatives import third_order_vector
 from fedhog.export import export_model
