@@ -13,7 +13,15 @@ its trained weights under :data:`WEIGHTS` and :data:`NUM_EXAMPLES` in a
 MetricRecord. With a trusted server, SecureAggregator reads such a reply as the
 update weights − global model of the round; under secure aggregation it is
 refused (the server must never see a client's own model).
+
+A reply the server will not use is a :class:`BadReply`: its
+:class:`Rejection` kind is what ``metrics.json`` counts (``rejections``) and
+what the Prometheus metrics label, its detail what the log says.
 """
+
+from __future__ import annotations
+
+from enum import StrEnum
 
 # records of a train reply
 UPDATE = "update"
@@ -32,3 +40,38 @@ THIRD_ORDER_FINITE = "third-order-finite"
 
 # secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
 MASKED = "masked-contribution"
+
+
+class Rejection(StrEnum):
+    """Why a client's reply (or, under secure aggregation, the client) was not used; the value is the kind
+    ``metrics.json`` counts in a round's ``rejections``."""
+
+    CLIENT_ERROR = "client error"  # its ClientApp raised
+    NOT_SAMPLED = "not sampled"  # the node was not in this round's cohort
+    DUPLICATE = "duplicate"  # a second reply from the same node
+    MALFORMED = "malformed"  # a record missing, or a count that is not one
+    WRONG_KEYS = "wrong keys"
+    WRONG_SHAPE = "wrong shape"
+    WRONG_DTYPE = "wrong dtype"
+    NON_FINITE_VALUES = "non-finite values"  # NaN or inf in the update or the term
+    TOO_LARGE = "too large"  # an update longer than max-update-norm
+    NON_FINITE_THIRD_ORDER_TERM = "non-finite third-order term"  # the client could not compute its term
+    WEIGHTS_REFUSED = "weights refused"  # a client's own model under secure aggregation
+    DROPPED_OUT = "dropped out"  # no reply to a stage of secure aggregation
+
+    @property
+    def label(self) -> str:
+        """The Prometheus label: ``non_finite_third_order_term``."""
+        return self.name.lower()
+
+
+class BadReply(ValueError):
+    """A client reply the aggregator will not use: its :class:`Rejection` kind and what exactly was wrong.
+
+    ``str(error)`` is ``"<kind>: <detail>"``, as the log and ``metrics.json``'s first reasons show it.
+    """
+
+    def __init__(self, kind: Rejection, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
+from .protocol import BadReply, Rejection
 from .monitoring import reply_nbytes
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
@@ -43,13 +44,7 @@ from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
-NON_FINITE_TERM = "non-finite third-order term"
 MAX_EMPTY_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row without an accepted contribution
-CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
-
-
-class BadReply(ValueError):
-    """A client reply the aggregator will not use."""
 
 
 @dataclass(frozen=True)
@@ -418,10 +413,10 @@ class SecureAggregator(Strategy):
                                 self.secure_aggregation, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
             for sender, reason in watch.reasons(error.dropped).items():
-                self._count_rejection(server_round, sender, BadReply(reason))
+                self._count_rejection(server_round, sender, reason)
             self._round_randomness = None
             record.failure = f"secure aggregation failed: {error}"
-            every_client_raised = all(r.startswith(f"{CLIENT_ERROR}:") for r in error.dropped.values())
+            every_client_raised = all(r.kind is Rejection.CLIENT_ERROR for r in error.dropped.values())
             if str(error).startswith("setup:") and every_client_raised:
                 record.failure += f" ({SECURE_NEEDS_FEDHOG_CLIENTS})"
             record.epsilon = self.accountant.epsilon()
@@ -438,7 +433,7 @@ class SecureAggregator(Strategy):
         """
         record = self.current
         for sender, reason in result.dropped.items():
-            self._count_rejection(server_round, sender, BadReply(reason))
+            self._count_rejection(server_round, sender, reason)
         record.bytes_received += result.bytes_received
         record.clients_accepted = result.contributors
         record.clipping_norm = self.mechanism.clipping_norm
@@ -474,21 +469,21 @@ class SecureAggregator(Strategy):
 
     def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
         record = self.current
-        kind = str(error).split(":")[0]
+        kind = error.kind.value  # a plain str: records are written to metrics.json and checkpoints
         record.clients_rejected += 1
         record.rejections[kind] = record.rejections.get(kind, 0) + 1
         self.rejection_reasons.setdefault(kind, str(error))
-        record.third_order_failures += kind == NON_FINITE_TERM
+        record.third_order_failures += error.kind is Rejection.NON_FINITE_THIRD_ORDER_TERM
         log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, error)
 
     def _check_sender(self, reply: Message, seen: set[int]) -> int:
         node = reply.metadata.src_node_id
         if reply.has_error():
-            raise BadReply(f"{CLIENT_ERROR}: {reply.error.reason}")
+            raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
         if node not in self._cohort:
-            raise BadReply("not sampled: the node was not in this round's cohort")
+            raise BadReply(Rejection.NOT_SAMPLED, "the node was not in this round's cohort")
         if node in seen:
-            raise BadReply("duplicate: a second reply from the same node")
+            raise BadReply(Rejection.DUPLICATE, "a second reply from the same node")
         seen.add(node)
         return self._cohort[node]
 
@@ -509,9 +504,9 @@ class SecureAggregator(Strategy):
         term = None
         if self.mechanism.kind == "hog" and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
             if weights and protocol.TERM not in content.array_records:
-                raise BadReply(f"malformed: mechanism='hog' needs the third-order term '{protocol.TERM}', which a "
-                               "standard Flower ClientApp does not send (use mechanism='gaussian', or fedhog's "
-                               "ClientApp)")
+                raise BadReply(Rejection.MALFORMED, f"mechanism='hog' needs the third-order term '{protocol.TERM}', "
+                               "which a standard Flower ClientApp does not send (use mechanism='gaussian', or "
+                               "fedhog's ClientApp)")
             term = _read_like(content, protocol.TERM, self._global)
         return ClientResult(slot, update, term, metrics)
 
@@ -554,23 +549,24 @@ class SecureAggregator(Strategy):
         if not self.equal_weights:
             weight = metrics.get(protocol.NUM_EXAMPLES)
             if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise BadReply(f"malformed: num-examples={weight!r}")
+                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
         if not finite:
-            raise BadReply(f"non-finite values: '{protocol.UPDATE}' holds NaN or inf")
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
         if not norm <= self.max_update_norm:
-            raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
-                           if math.isfinite(norm) else f"too large: update norm {norm} is not finite")
+            raise BadReply(Rejection.TOO_LARGE,
+                           f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
+                           if math.isfinite(norm) else f"update norm {norm} is not finite")
         if self.mechanism.kind != "hog":
             return Contribution(update=result.update, weight=weight)
         if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
-            raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
         if result.term is None or term_check is None:
-            raise BadReply(f"malformed: no ArrayRecord '{protocol.TERM}'")
+            raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{protocol.TERM}'")
         term_norm, term_finite = term_check
         if not term_finite:
-            raise BadReply(f"non-finite values: '{protocol.TERM}' holds NaN or inf")
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.TERM}' holds NaN or inf")
         if not math.isfinite(term_norm):
-            raise BadReply(f"{NON_FINITE_TERM}: its norm is not finite in float64")
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "its norm is not finite in float64")
         return Contribution(update=result.update, weight=weight, term=result.term)
 
     # --- no federated evaluation: the server evaluates centrally -------------
@@ -656,8 +652,8 @@ class SecureAggregator(Strategy):
         return result
 
 
-WEIGHTS_UNDER_SECURE_AGGREGATION = (
-    "weights refused: the reply carries the client's model under 'arrays' (a standard Flower ClientApp), which "
+WEIGHTS_UNDER_SECURE_AGGREGATION = (  # the detail of a Rejection.WEIGHTS_REFUSED
+    "the reply carries the client's model under 'arrays' (a standard Flower ClientApp), which "
     "the server must never see under secure aggregation; each client must clip, quantise and mask its own update: "
     "run fedhog's ClientApp, or turn secure-aggregation off")
 
@@ -691,10 +687,10 @@ class _WeightsWatch:
                          if not r.has_error() and protocol.WEIGHTS in r.content.array_records}
         return replies
 
-    def reasons(self, dropped: Mapping[str, str]) -> dict[str, str]:
+    def reasons(self, dropped: Mapping[str, BadReply]) -> dict[str, BadReply]:
         """``dropped`` with the reason of every node that sent weights replaced by the clear one."""
-        return {sender: WEIGHTS_UNDER_SECURE_AGGREGATION if sender in self.senders else reason
-                for sender, reason in dropped.items()}
+        return {sender: BadReply(Rejection.WEIGHTS_REFUSED, WEIGHTS_UNDER_SECURE_AGGREGATION)
+                if sender in self.senders else reason for sender, reason in dropped.items()}
 
 
 def _population_mismatch(population: int, found: str) -> str:
@@ -708,22 +704,22 @@ def _read_metrics(content: RecordDict) -> MetricRecord:
         return content[protocol.METRICS]
     if len(content.metric_records) == 1:
         return next(iter(content.metric_records.values()))
-    raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
+    raise BadReply(Rejection.MALFORMED, f"no MetricRecord '{protocol.METRICS}'")
 
 
 def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
     """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
     if key not in content.array_records:
-        raise BadReply(f"malformed: no ArrayRecord '{key}'")
+        raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{key}'")
     record = content[key]
     if list(record.keys()) != list(reference.keys()):
-        raise BadReply(f"wrong keys: '{key}' has {list(record.keys())[:4]}...")
+        raise BadReply(Rejection.WRONG_KEYS, f"'{key}' has {list(record.keys())[:4]}...")
     for name in reference.keys():
         got, want = record[name], reference[name]
         if tuple(got.shape) != tuple(want.shape):
-            raise BadReply(f"wrong shape: '{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
+            raise BadReply(Rejection.WRONG_SHAPE, f"'{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
         if got.dtype != want.dtype:
-            raise BadReply(f"wrong dtype: '{key}/{name}' is {got.dtype}, expected {want.dtype}")
+            raise BadReply(Rejection.WRONG_DTYPE, f"'{key}/{name}' is {got.dtype}, expected {want.dtype}")
     return _flatten(record, list(reference.keys()))
 
 

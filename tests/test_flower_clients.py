@@ -176,4 +176,5 @@ def test_secure_aggregation_refuses_a_reply_that_carries_weights():
     ours = _fedhog(1, app, mechanism="gaussian", **{"noise-multiplier": 1.0, "secure-aggregation": "secagg+"})
     record = ours["records"][0]
     assert record.clients_accepted == 0 and record.failure.startswith("secure aggregation failed")
-    assert ours["strategy"].rejection_reasons == {"weights refused": WEIGHTS_UNDER_SECURE_AGGREGATION}
+    refused = f"weights refused: {WEIGHTS_UNDER_SECURE_AGGREGATION}"
+    assert ours["strategy"].rejection_reasons == {"weights refused": refused}

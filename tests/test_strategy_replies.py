@@ -14,8 +14,9 @@ from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
+from fedhog.protocol import Rejection
 from fedhog.server_optimizer import ServerOptimizerSettings
-from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
+from fedhog.strategy import SecureAggregator
 
 # node ids are deliberately not in partition order
 NODES = [905, 12, 777, 40, 3001, 88, 560, 2]
@@ -311,7 +312,7 @@ def test_hog_rejects_missing_failed_or_malformed_terms():
     xi = slot_xis(0, 6)[0]
     mixed = U0 + 0.5 * xi * np.linalg.norm(U0) / np.linalg.norm(T0) * T0
     assert_round(aggregator, result, 1,
-                 {"malformed": 1, NON_FINITE_TERM: 1, "non-finite values": 1, "wrong dtype": 1},
+                 {"malformed": 1, Rejection.NON_FINITE_THIRD_ORDER_TERM: 1, "non-finite values": 1, "wrong dtype": 1},
                  expected_global([mixed], 1.0, 6, 1.0))
     assert aggregator.current.third_order_failures == 1
 
