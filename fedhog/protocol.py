@@ -21,7 +21,13 @@ what the Prometheus metrics label, its detail what the log says.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # records of a train reply
 UPDATE = "update"
@@ -40,6 +46,21 @@ THIRD_ORDER_FINITE = "third-order-finite"
 
 # secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
 MASKED = "masked-contribution"
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).
+
+    ``update`` and ``term`` are flat tensors in the layout of the global
+    model's ArrayRecord (its keys in order); ``term`` is None when the client
+    sent none; ``metrics`` is the reply's MetricRecord as a mapping.
+    """
+
+    slot: int
+    update: torch.Tensor
+    term: torch.Tensor | None
+    metrics: Mapping[str, Any]
 
 
 class Rejection(StrEnum):

@@ -30,6 +30,7 @@ from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .server_step import ProxyStepLength
 from .protocol import JOB_ID, Rejection
+from .replies import runner_for
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
@@ -276,7 +277,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
-                            on_round=on_round, first_round=first_round)
+                            on_round=on_round, first_round=first_round, runner=runner_for(grid))
     return result.arrays, strategy.accountant.epsilon()
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
-from .protocol import BadReply, Rejection
-from .monitoring import reply_nbytes
+from .layout import flatten_record, unflatten_like
+from .protocol import BadReply, ClientResult, Rejection
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.distributed_gaussian import DistributedGaussianAccountant
@@ -38,6 +38,7 @@ from .privacy.mechanism import (
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
@@ -45,21 +46,6 @@ if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
 MAX_EMPTY_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row without an accepted contribution
-
-
-@dataclass(frozen=True)
-class ClientResult:
-    """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).
-
-    ``update`` and ``term`` are flat tensors in the layout of the global
-    model's ArrayRecord (its keys in order); ``term`` is None when the client
-    sent none; ``metrics`` is the reply's MetricRecord as a mapping.
-    """
-
-    slot: int
-    update: torch.Tensor
-    term: torch.Tensor | None
-    metrics: Mapping[str, Any]
 
 
 @dataclass
@@ -94,14 +80,6 @@ class RoundRecord:
     failure: str = ""  # what went wrong: no accepted contribution (noise alone released), or an unmasking failed
     layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
     warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
-
-
-@runtime_checkable
-class CohortGrid(Protocol):
-    """A Grid that computes a whole cohort's results at once (:class:`fedhog.engines.vectorized.VectorizedGrid`)."""
-
-    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
-        """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
 
 
 class SecureAggregator(Strategy):
@@ -183,7 +161,6 @@ class SecureAggregator(Strategy):
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
-        self._global_flat_cache: tuple[ArrayRecord, torch.Tensor] | None = None
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
@@ -287,34 +264,40 @@ class SecureAggregator(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample this round's cohort and send it the global model."""
-        cohort = self.begin_round(server_round, arrays)
-        config[protocol.SERVER_ROUND] = server_round
-        record = RecordDict({"arrays": arrays, "config": config})
-        return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in cohort]
+        return train_messages(self._train_request(server_round, arrays, config, timeout=math.inf))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Read the replies into client results, then :meth:`finish_round`."""
-        results: list[ClientResult] = []
-        seen: set[int] = set()
-        for reply in replies:
-            if not reply.has_error():
-                self.current.bytes_received += reply_nbytes(reply.content)
-            try:
-                results.append(self._read_reply(reply, seen))
-            except BadReply as error:
-                self._count_rejection(server_round, f"node {reply.metadata.src_node_id}", error)
-        return self.finish_round(server_round, results)
+        """Read the replies into client results (:class:`~fedhog.replies.ReplyReader`), then :meth:`finish_replies`."""
+        return self.finish_replies(server_round, self._reader().read(replies))
+
+    def _train_request(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                       timeout: float) -> TrainRequest:
+        """Sample this round's cohort (:meth:`begin_round`) and say what it is to train."""
+        cohort = self.begin_round(server_round, arrays)
+        config[protocol.SERVER_ROUND] = server_round
+        return TrainRequest(server_round, arrays, config, cohort, self.mechanism.kind == "hog", timeout)
+
+    def _reader(self) -> ReplyReader:
+        return ReplyReader(self._global, self._cohort, self.mechanism.kind == "hog")
+
+    def finish_replies(
+        self, server_round: int, replies: CohortReplies
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Count the replies refused on arrival and the bytes received, then :meth:`finish_round`."""
+        self.current.bytes_received += replies.bytes_received
+        for sender, error in replies.refused:
+            self._count_rejection(server_round, sender, error)
+        return self.finish_round(server_round, replies.results)
 
     def finish_round(
         self, server_round: int, results: Iterable[ClientResult]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the cohort's results, run the mechanism, apply the update, compose the event.
 
-        Every engine ends a round here: Flower's and the in-process engine with
-        the replies :meth:`aggregate_train` read, the vectorized engine with the
-        results it computed for the whole cohort at once.
+        Every engine ends a trusted-server round here, with the results its
+        :class:`~fedhog.replies.CohortRunner` delivered.
         """
         record = self.current
         results = list(results)
@@ -329,8 +312,7 @@ class SecureAggregator(Strategy):
         if record.clients_sampled and not contributions and self.mechanism.kind != "none":
             self._note_empty_round(server_round)
 
-        keys = list(self._global.keys())
-        flat_global = _flatten(self._global, keys)
+        flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         xis = [0.0] * len(contributions)
         if self.mechanism.kind == "hog":  # one ξ per slot of the population: a client's ξ does not depend on who else replied
@@ -366,7 +348,7 @@ class SecureAggregator(Strategy):
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
         seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
-        return _unflatten(new_flat, self._global, keys), MetricRecord(
+        return unflatten_like(new_flat, self._global), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
@@ -437,8 +419,7 @@ class SecureAggregator(Strategy):
         record.bytes_received += result.bytes_received
         record.clients_accepted = result.contributors
         record.clipping_norm = self.mechanism.clipping_norm
-        keys = list(self._global.keys())
-        flat_global = _flatten(self._global, keys)
+        flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         noise = self.secure_aggregation.noise
         if noise is None:
@@ -453,7 +434,7 @@ class SecureAggregator(Strategy):
                                      record)
         record.epsilon = self.accountant.epsilon()
         record.noise_std = sum_std / expected_cohort
-        return _unflatten(new_flat, self._global, keys), MetricRecord(
+        return unflatten_like(new_flat, self._global), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected})
 
@@ -476,49 +457,9 @@ class SecureAggregator(Strategy):
         record.third_order_failures += error.kind is Rejection.NON_FINITE_THIRD_ORDER_TERM
         log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, error)
 
-    def _check_sender(self, reply: Message, seen: set[int]) -> int:
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
-        if node not in self._cohort:
-            raise BadReply(Rejection.NOT_SAMPLED, "the node was not in this round's cohort")
-        if node in seen:
-            raise BadReply(Rejection.DUPLICATE, "a second reply from the same node")
-        seen.add(node)
-        return self._cohort[node]
-
-    def _read_reply(self, reply: Message, seen: set[int]) -> ClientResult:
-        """The arrays and metrics of a reply from a sampled node, or :class:`BadReply`.
-
-        A reply in Flower's convention (weights under ``arrays``, no ``update``;
-        see :mod:`fedhog.protocol`) is read as the update weights − global model.
-        """
-        slot = self._check_sender(reply, seen)
-        content = reply.content
-        metrics = dict(_read_metrics(content))
-        weights = protocol.UPDATE not in content.array_records and protocol.WEIGHTS in content.array_records
-        if weights:  # clipped and noised as any update: the conversion is the reply's own, per client
-            update = _read_like(content, protocol.WEIGHTS, self._global) - self._global_flat()
-        else:
-            update = _read_like(content, protocol.UPDATE, self._global)
-        term = None
-        if self.mechanism.kind == "hog" and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
-            if weights and protocol.TERM not in content.array_records:
-                raise BadReply(Rejection.MALFORMED, f"mechanism='hog' needs the third-order term '{protocol.TERM}', "
-                               "which a standard Flower ClientApp does not send (use mechanism='gaussian', or "
-                               "fedhog's ClientApp)")
-            term = _read_like(content, protocol.TERM, self._global)
-        return ClientResult(slot, update, term, metrics)
-
-    def _global_flat(self) -> torch.Tensor:
-        """This round's global model, flat (computed once a round, for replies that send weights)."""
-        if self._global_flat_cache is None or self._global_flat_cache[0] is not self._global:
-            self._global_flat_cache = (self._global, _flatten(self._global, list(self._global.keys())))
-        return self._global_flat_cache[1]
-
     def read_contribution(self, reply: Message) -> Contribution:
         """Turn a reply into a flat contribution, or raise :class:`BadReply` (for a sampled node)."""
-        verdict = self._validate([self._read_reply(reply, set())])[0]
+        verdict = self._validate([self._reader().read_one(reply, set())])[0]
         if isinstance(verdict, BadReply):
             raise verdict
         return verdict
@@ -583,7 +524,7 @@ class SecureAggregator(Strategy):
     # --- the loop -------------------------------------------------------------
     def start(  # pylint: disable=too-many-arguments
         self,
-        grid: Grid,
+        grid: Grid | None,
         initial_arrays: ArrayRecord,
         num_rounds: int = 3,
         timeout: float = 3600,
@@ -592,6 +533,7 @@ class SecureAggregator(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         on_round: Callable[[RoundRecord, ArrayRecord], None] | None = None,
         first_round: int = 1,
+        runner: CohortRunner | None = None,
     ) -> Result:
         """Run rounds ``first_round``..``num_rounds``; stop before a release beyond ``max_epsilon``.
 
@@ -599,6 +541,10 @@ class SecureAggregator(Strategy):
         ``on_round`` (which writes results and checkpoints), so a crash loses
         nothing done, and a resumed run starts at ``first_round``. The initial
         model is not evaluated here (the ServerApp does that before round 1).
+        Each trusted-server round's client results come from ``runner``
+        (default: a :class:`~fedhog.replies.MessageRunner` over ``grid``);
+        secure-aggregation rounds are messages through ``grid``. ``grid`` may
+        be None for a trusted server whose ``runner`` needs none.
         """
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
@@ -610,6 +556,7 @@ class SecureAggregator(Strategy):
                     f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise "
                     f"sampler's analysis (values within 20 standard deviations): it adds up to {tail:.3g} to "
                     f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
+        runner = runner if runner is not None else MessageRunner(grid)
         result = Result()
         arrays = initial_arrays
         for server_round in range(first_round, num_rounds + 1):
@@ -618,17 +565,12 @@ class SecureAggregator(Strategy):
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
                 break
             started = time.perf_counter()
-            if self.secure_aggregation is not None:  # message by message on every engine (vectorized included)
-                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays,
-                                                              ConfigRecord(dict(train_config or {})), timeout)
-            elif isinstance(grid, CohortGrid):  # the vectorized engine: the whole cohort in one computation
-                results = grid.train_cohort(server_round, arrays, self.begin_round(server_round, arrays))
-                self.current.bytes_received += sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
-                new_arrays, train_metrics = self.finish_round(server_round, results)
+            config = ConfigRecord(dict(train_config or {}))
+            if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
+                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
             else:
-                messages = self.configure_train(server_round, arrays, ConfigRecord(dict(train_config or {})), grid)
-                replies = grid.send_and_receive(messages, timeout=timeout)
-                new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+                replies = runner.train(self._train_request(server_round, arrays, config, timeout))
+                new_arrays, train_metrics = self.finish_replies(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
@@ -696,47 +638,3 @@ class _WeightsWatch:
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
-
-
-def _read_metrics(content: RecordDict) -> MetricRecord:
-    """The reply's MetricRecord: ``metrics``, or the only one it holds, whatever its name."""
-    if protocol.METRICS in content.metric_records:
-        return content[protocol.METRICS]
-    if len(content.metric_records) == 1:
-        return next(iter(content.metric_records.values()))
-    raise BadReply(Rejection.MALFORMED, f"no MetricRecord '{protocol.METRICS}'")
-
-
-def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
-    """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
-    if key not in content.array_records:
-        raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{key}'")
-    record = content[key]
-    if list(record.keys()) != list(reference.keys()):
-        raise BadReply(Rejection.WRONG_KEYS, f"'{key}' has {list(record.keys())[:4]}...")
-    for name in reference.keys():
-        got, want = record[name], reference[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise BadReply(Rejection.WRONG_SHAPE, f"'{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
-        if got.dtype != want.dtype:
-            raise BadReply(Rejection.WRONG_DTYPE, f"'{key}/{name}' is {got.dtype}, expected {want.dtype}")
-    return _flatten(record, list(reference.keys()))
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    """What a tensor weighs as a reply's array (0 for none)."""
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
-def _flatten(record: ArrayRecord, keys: list[str]) -> torch.Tensor:
-    return torch.cat([torch.from_numpy(np.ascontiguousarray(record[k].numpy())).reshape(-1) for k in keys])
-
-
-def _unflatten(flat: torch.Tensor, like: ArrayRecord, keys: list[str]) -> ArrayRecord:
-    out, offset = {}, 0
-    for key in keys:
-        shape = tuple(like[key].shape)
-        size = int(np.prod(shape))
-        out[key] = flat[offset:offset + size].reshape(shape).clone()
-        offset += size
-    return ArrayRecord(out)
