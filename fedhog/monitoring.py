@@ -33,7 +33,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server as _start_http_server
 
-from .protocol import Rejection
+from .protocol import THIRD_ORDER_SECONDS, Rejection
 from .results import atomic_write
 
 #: Client MetricRecord key: peak memory in bytes (see :func:`measure_peak_memory`).
@@ -41,7 +41,7 @@ PEAK_MEMORY_KEY = "peak-memory-bytes"
 #: Client MetricRecord key: 1 if :data:`PEAK_MEMORY_KEY` is CUDA memory, 0 if it is the process's peak RSS.
 PEAK_MEMORY_CUDA_KEY = "peak-memory-cuda"
 #: Client MetricRecord key read for the third-order computation time (set by the ClientApp).
-THIRD_ORDER_SECONDS_KEY = "third-order-seconds"
+THIRD_ORDER_SECONDS_KEY = THIRD_ORDER_SECONDS
 
 #: What a snapshot file is called in the results folder, by convention.
 SNAPSHOT_NAME = "metrics.prom"

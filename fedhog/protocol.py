@@ -21,6 +21,7 @@ what the Prometheus metrics label, its detail what the log says.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -42,10 +43,50 @@ JOB_ID = "job-id"  # the training job's name, the same across resumes
 # metrics of a reply
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"  # the mean local loss (informational)
+LOCAL_STEPS = "local-steps"
+CUBIC_STEPS = "hog-step-cubic-steps"  # optimizer = "hog-step": steps that took the cubic model's length
+VALIDATION_ACCURACY = "validation-accuracy"  # on the client's own validation split
+THIRD_ORDER_SECONDS = "third-order-seconds"
 THIRD_ORDER_FINITE = "third-order-finite"
+DPSGD_EPSILON = "dpsgd-epsilon"  # client-dp = "dpsgd": the client's record-level ε so far
+FEDAVG_WEIGHT = "fedavg-weight"  # the flower-dp baseline's reply: every client weighs 1 (accounted FedAvg)
+UNMEASURED = -1.0  # a loss or accuracy that is not finite travels as this
 
 # secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
 MASKED = "masked-contribution"
+
+
+def measured(value: float) -> float:
+    """``value`` if it is finite, else :data:`UNMEASURED`."""
+    return value if math.isfinite(value) else UNMEASURED
+
+
+def train_metrics(partition_id: int, num_examples: int, train_loss: float, local_steps: int, *,
+                  cubic_steps: int | None = None, validation_accuracy: float | None = None) -> dict[str, int | float]:
+    """The metrics of a fedhog train reply: whose, how many records, the mean local loss, the steps taken."""
+    metrics: dict[str, int | float] = {PARTITION_ID: partition_id, NUM_EXAMPLES: num_examples,
+                                       TRAIN_LOSS: measured(train_loss), LOCAL_STEPS: local_steps}
+    if cubic_steps is not None:
+        metrics[CUBIC_STEPS] = cubic_steps
+    if validation_accuracy is not None:
+        metrics[VALIDATION_ACCURACY] = measured(validation_accuracy)
+    return metrics
+
+
+def third_order_metrics(seconds: float, finite: bool, memory: Mapping[str, int]) -> dict[str, int | float]:
+    """What a reply says of its third-order term: its seconds, whether it is finite, and the peak ``memory``."""
+    return {THIRD_ORDER_SECONDS: seconds, THIRD_ORDER_FINITE: int(finite), **memory}
+
+
+def dpsgd_metrics(partition_id: int, epsilon: float) -> dict[str, int | float]:
+    """A DP-SGD client's reply metrics: no record counts, no raw-record statistics (see the module docstring)."""
+    return {PARTITION_ID: partition_id, DPSGD_EPSILON: epsilon}
+
+
+def fedavg_metrics(train_loss: float) -> dict[str, int | float]:
+    """The metrics of a reply to Flower's accounted FedAvg (the flower-dp baseline): an equal weight, the loss."""
+    return {FEDAVG_WEIGHT: 1, TRAIN_LOSS: measured(train_loss)}
 
 
 @dataclass(frozen=True)

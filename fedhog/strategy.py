@@ -81,6 +81,14 @@ class RoundRecord:
     layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
     warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
 
+    def take_evaluation(self, metrics: Mapping[str, Any]) -> None:
+        """The server's evaluation of the round's model: ``accuracy``, ``loss``; validation, AUROC and AUPRC
+        where measured (NaN otherwise)."""
+        self.accuracy, self.loss = float(metrics["accuracy"]), float(metrics["loss"])
+        self.validation_accuracy = float(metrics.get("validation-accuracy", math.nan))
+        self.validation_loss = float(metrics.get("validation-loss", math.nan))
+        self.auroc, self.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
+
 
 class SecureAggregator(Strategy):
     """Sample clients, mix third-order terms into updates, clip, noise, account.
@@ -342,11 +350,12 @@ class SecureAggregator(Strategy):
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         client_metrics = [metrics for _, _, metrics in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
-        losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
+        losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
+                  if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
-        record_epsilons = [m["dpsgd-epsilon"] for m in client_metrics if "dpsgd-epsilon" in m]
+        record_epsilons = [m[protocol.DPSGD_EPSILON] for m in client_metrics if protocol.DPSGD_EPSILON in m]
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
-        seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
+        seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
         return unflatten_like(new_flat, self._global), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
@@ -579,11 +588,7 @@ class SecureAggregator(Strategy):
             if evaluate_fn:
                 metrics = evaluate_fn(server_round, arrays)
                 result.evaluate_metrics_serverapp[server_round] = metrics
-                record.accuracy, record.loss = float(metrics["accuracy"]), float(metrics["loss"])
-                if "validation-accuracy" in metrics:
-                    record.validation_accuracy = float(metrics["validation-accuracy"])
-                    record.validation_loss = float(metrics["validation-loss"])
-                record.auroc, record.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
+                record.take_evaluation(metrics)
             record.seconds = time.perf_counter() - started
             log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
                 server_round, record.accuracy, record.epsilon, record.clients_sampled,

@@ -31,3 +31,15 @@ def test_a_bad_reply_carries_its_kind_and_reads_as_kind_then_detail():
     assert error.kind is Rejection.WRONG_SHAPE and error.detail == "'update/w' is (3,), expected (4,)"
     assert str(error) == "wrong shape: 'update/w' is (3,), expected (4,)"
     assert isinstance(error, ValueError)
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), -float("inf")])
+def test_a_loss_that_is_not_finite_travels_as_unmeasured_on_every_engine(loss):
+    """The ClientApp and the vectorized engine build their replies' metrics with the same builder."""
+    from fedhog.protocol import UNMEASURED, fedavg_metrics, train_metrics
+
+    metrics = train_metrics(3, 40, loss, 5, validation_accuracy=loss)
+    assert metrics == {"partition-id": 3, "num-examples": 40, "train-loss": UNMEASURED, "local-steps": 5,
+                       "validation-accuracy": UNMEASURED}
+    assert fedavg_metrics(loss) == {"fedavg-weight": 1, "train-loss": UNMEASURED}
+    assert train_metrics(0, 1, 0.25, 2)["train-loss"] == 0.25

@@ -112,13 +112,12 @@ class VectorizedRunner:
                                       config.batch_size, config.learning_rate, config.momentum, self.hog)
         results = []
         for k, (node, partition) in enumerate(zip(nodes, partitions)):
-            loss = work.mean_losses[k]
-            metrics = {protocol.PARTITION_ID: partition, protocol.NUM_EXAMPLES: len(self.client_indices[partition]),
-                       "train-loss": loss if loss == loss else -1.0, "local-steps": work.steps[k]}
+            metrics = protocol.train_metrics(partition, len(self.client_indices[partition]), work.mean_losses[k],
+                                             work.steps[k])
             term = None
             if self.hog is not None:
-                metrics.update({"third-order-seconds": work.third_order_seconds / len(nodes),
-                                protocol.THIRD_ORDER_FINITE: int(work.term_finite[k]), **peak.as_metrics()})
+                metrics.update(protocol.third_order_metrics(work.third_order_seconds / len(nodes), work.term_finite[k],
+                                                            peak.as_metrics()))
                 term = work.terms[k] if work.term_finite[k] else None
             results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
         return CohortReplies(results, bytes_received=sum(_nbytes(r.update) + _nbytes(r.term) for r in results))
