@@ -1,4 +1,4 @@
-"""fedhog from Python: ``fedhog.run(config, **overrides)``; the checks that make a user's data and model fail early."""
+"""fedhog from Python: ``fedhog.run(config, **overrides)``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import BINARY_METRICS, ConfigError, RunConfig, check_device, load_config
-from .data import dataset_info, tabular_source
-from .models import build_model, is_factory
-from .results import claim_results_dir, default_results_dir, mark_interrupted, read_run_document, record_launch
+from .config import ConfigError, RunConfig, load_config
+from .engines import DEFAULT_ENGINE, check_run, claim_run, engine_named, run_engine
+from .results import mark_interrupted, read_run_document
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class RunFailed(RuntimeError):
         self.directory = directory
 
 
-def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, engine: str = "vectorized",
+def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, engine: str = DEFAULT_ENGINE,
         overwrite: bool = False, verbose: bool = False, **overrides: Any) -> RunResult:
     """Run one federated training, as ``fedhog run`` does, and return its results.
 
@@ -77,24 +76,18 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
     RunFailed
         The run started and failed; its folder says how far it got.
     """
-    from .cli import ENGINES  # the engines' heavy imports happen when one runs
-
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r} is not allowed; expected one of {', '.join(ENGINES)}")
+    engine_named(engine)
     if isinstance(config, RunConfig):  # σ is calibrated from target-epsilon at the start: give one of the two
         config = {k: v for k, v in config.to_mapping().items()
                   if not (k == "noise-multiplier" and config.target_epsilon > 0)}
     values = None if config is None or isinstance(config, (str, Path)) else _kebab(config)
     resolved = load_config(values if values is not None else config, _kebab(overrides))
-    check_device(resolved.device)
-    check_inputs(resolved)
-    directory = claim_results_dir(Path(resolved.results_dir) if resolved.results_dir else default_results_dir(),
-                                  overwrite)
-    resolved = resolved.with_overrides({"results-dir": str(directory)})
-    record_launch(directory, {"command": "run", "engine": engine, "client_cpus": 1}, resolved)
+    check_run(resolved)
+    resolved = claim_run(resolved, {"command": "run", "engine": engine, "client_cpus": 1}, overwrite)
+    directory = Path(resolved.results_dir)
     try:
         with _flower_log(logging.INFO if verbose else logging.WARNING):
-            ENGINES[engine].run(resolved, 1)
+            run_engine(engine, resolved)
     except ConfigError:
         raise
     except KeyboardInterrupt:  # what finished stays: fedhog run --resume <directory> continues it
@@ -119,26 +112,6 @@ def _flower_log(level: int) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(before)
-
-
-def check_inputs(config: RunConfig) -> None:
-    """Load a table, build a user's model and check the metrics now, so bad input fails before any engine starts.
-
-    Raises :class:`ConfigError` naming the key (``dataset``, ``label-column``,
-    ``model``, ``metrics``, ...). Built-in datasets and models are not loaded.
-    """
-    ranking = any(name in BINARY_METRICS for name in config.test_metrics)
-    if tabular_source(config.dataset) is None and not is_factory(config.model) and not ranking:
-        return
-    try:
-        input_shape, num_classes = dataset_info(config.data_spec)
-        config.check_metrics(num_classes)
-        if is_factory(config.model):
-            build_model(config.model, input_shape, num_classes, config.activation)
-    except ConfigError:
-        raise
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
 
 
 def _kebab(values: Mapping[str, Any]) -> dict[str, Any]:

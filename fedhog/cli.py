@@ -9,8 +9,6 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.resources import as_file, files
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,12 @@ from rich.table import Table
 
 from . import __version__, interrupts
 from .choices import EXPORT_FORMATS
-from .config import ConfigError, RunConfig, check_device, load_config, parse_override, toml_value
-from .deploy import DeployError, deploy_local, simulate_local
+from .config import ConfigError, RunConfig, load_config, parse_override, toml_value
+from .deploy import DeployError, deploy_local
+from .engines import DEFAULT_ENGINE, ENGINES, Engine, check_run, claim_run, engine_named
 from .progress import console, format_value, read_metrics_file, watch_metrics
-from .results import (claim_results_dir, clear_stop_request, default_results_dir, describe_run, mark_interrupted,
-                      read_run_document, record_launch)
+from .results import (clear_stop_request, default_results_dir, describe_run, mark_interrupted, read_run_document,
+                      record_launch)
 
 DESCRIPTION = "fedhog: federated learning with client-level differential privacy, on Flower and PyTorch."
 EPILOG = """examples:
@@ -36,51 +35,6 @@ EPILOG = """examples:
   fedhog export results/<run>                 the final model, for serving
   fedhog <command> --help                     a command's options"""
 QUICKSTART = "quickstart.toml"  # ships inside the package (configs/quickstart.toml in a checkout links to it)
-
-
-@dataclass(frozen=True)
-class Engine:
-    """One way of running the ServerApp and its clients on this machine (``fedhog run --engine NAME``).
-
-    ``run(config, client_cpus)`` trains to the end and raises on failure. With
-    ``in_process`` the CLI runs it in the main thread and shows the progress
-    from a display thread; otherwise ``run`` shows it.
-    """
-
-    help: str
-    run: Callable[[RunConfig, int], Any]
-    in_process: bool
-
-
-def _simulation(config: RunConfig, client_cpus: int) -> None:
-    simulate_local(config, client_cpus)
-
-
-def _inprocess(config: RunConfig, client_cpus: int) -> None:
-    from .client_app import app as client_app  # heavy imports only when running
-    from .engine import run_in_process
-    from .server_app import app as server_app
-
-    run_in_process(server_app, client_app, config.population, config.to_mapping())
-
-
-def _vectorized(config: RunConfig, client_cpus: int) -> None:
-    from .client_app import app as client_app  # heavy imports only when running
-    from .server_app import app as server_app
-    from .vectorized import run_vectorized
-
-    run_vectorized(server_app, client_app, config)
-
-
-ENGINES: dict[str, Engine] = {
-    "simulation": Engine("Flower's Simulation Engine (Ray) through `flwr run`, on a SuperLink fedhog starts "
-                         "and stops", _simulation, in_process=False),
-    "inprocess": Engine("the same apps through an in-process Flower Grid: no Ray, no SuperLink", _inprocess,
-                        in_process=True),
-    "vectorized": Engine("the in-process Grid training each sampled cohort as one batch (torch.func.vmap): the "
-                         "same results, many times faster", _vectorized, in_process=True),
-}
-DEFAULT_ENGINE = "vectorized"  # the same results as Flower's engines (tests/test_vectorized.py), fastest
 
 
 class Refusal(Exception):
@@ -281,18 +235,12 @@ def _prepare(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
             console.print(f"[yellow]note:[/] {escape(note)}")
         launch = {**_default_launch(args.command, config), **given}
     _check_launch(config, launch)
-    check_device(config.device)
-    from .api import check_inputs  # loads a table or a model factory now, so bad input fails before any engine
-
-    check_inputs(config)
+    check_run(config)  # loads a table or a model factory now, so bad input fails before any engine
     _check_metrics_port(config.metrics_port)
     if args.resume:
         record_launch(Path(config.results_dir), launch)
     else:
-        directory = claim_results_dir(Path(config.results_dir).resolve() if config.results_dir
-                                      else default_results_dir(), args.overwrite)
-        config = config.with_overrides({"results-dir": str(directory)})
-        record_launch(directory, launch, config)
+        config = claim_run(config, launch, args.overwrite)
     return config, launch
 
 
@@ -310,7 +258,7 @@ def _default_launch(command: str, config: RunConfig) -> dict[str, Any]:
 
 def _check_launch(config: RunConfig, launch: dict[str, Any]) -> None:
     if launch["command"] == "run":
-        if launch["engine"] not in ENGINES:
+        if launch["engine"] not in ENGINES:  # a resumed run's launch may name an engine of another fedhog
             raise ConfigError(f"engine {launch['engine']!r} is not available in this fedhog; "
                               f"expected one of {', '.join(ENGINES)}")
         if launch["client_cpus"] < 1:
@@ -377,7 +325,7 @@ def _error(kind: str, error: object) -> None:
 def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
     """Run ``config`` on ``engine`` (a name of :data:`ENGINES`) with a live progress display; print the summary."""
     directory = Path(config.results_dir)
-    chosen = ENGINES[engine]
+    chosen = engine_named(engine)
     error: object = None
     try:
         _print_privacy_banner(config)

@@ -21,6 +21,7 @@ from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
 from .dpsgd import RecordPrivacy, train_dpsgd
+from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.mechanism import constrain_sensitivity
@@ -76,14 +77,14 @@ def train(msg: Message, context: Context) -> Message:
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
             protocol.UPDATE: ArrayRecord(_to_cpu(update)),
-            protocol.METRICS: MetricRecord({protocol.PARTITION_ID: partition_id, "dpsgd-epsilon": privacy.epsilon}),
+            protocol.METRICS: MetricRecord(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
     if config.aggregator == "flower-dp":
         from .flower_baseline import flower_dp_reply  # the server-side baseline's module, only when it runs
 
         work = _local_work(msg, config, partition_id, server_round, with_term=False)
         return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
-                               float(work.metrics["train-loss"]))
+                               float(work.metrics[protocol.TRAIN_LOSS]))
     work = _local_work(msg, config, partition_id, server_round, with_term=config.mechanism == "hog")
     records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(work.update))})
     if work.term is not None:
@@ -120,20 +121,15 @@ def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round
     local = train_locally(model, train_data, config.local_epochs, config.batch_size,
                           config.learning_rate, config.momentum, seed, config.optimizer)
     update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
-    metrics: dict[str, float | int] = {
-        protocol.PARTITION_ID: partition_id,
-        protocol.NUM_EXAMPLES: len(train_data),
-        "train-loss": _finite_or(local.mean_loss, -1.0),
-        "local-steps": local.steps,
-        "hog-step-cubic-steps": local.cubic_steps,
-        "validation-accuracy": _finite_or(evaluate(model, validation_data)[1], -1.0),
-    }
+    metrics = protocol.train_metrics(partition_id, len(train_data), local.mean_loss, local.steps,
+                                     cubic_steps=local.cubic_steps,
+                                     validation_accuracy=evaluate(model, validation_data)[1])
     term = None
     if with_term:
         model.load_state_dict(global_state)
         with measure_peak_memory(next(model.parameters()).device) as peak:
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
-        metrics.update({"third-order-seconds": seconds, protocol.THIRD_ORDER_FINITE: int(finite), **peak.as_metrics()})
+        metrics.update(protocol.third_order_metrics(seconds, finite, peak.as_metrics()))
         term = term if finite else None
     return LocalWork(global_state, update, term, metrics)
 
@@ -167,7 +163,7 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     hog = config.mechanism == "hog"
     work = _local_work(msg, config, partition_id, server_round, with_term=hog)
     keys = list(msg.content["arrays"].keys())
-    update = torch.cat([work.update[k].detach().cpu().reshape(-1) for k in keys])
+    update = flatten(work.update, keys).detach().cpu()
     if not bool(torch.isfinite(update).all()):
         raise ValueError("non-finite values: the update holds NaN or inf")
     terms, xi = None, 0.0
@@ -177,7 +173,7 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
         if work.term is None:
             raise ValueError("non-finite third-order term: the client cannot contribute this round")
         keyed = term_keyed_like(work.term, work.update)
-        terms = torch.cat([keyed[k].detach().cpu().reshape(-1) for k in keys])[None]
+        terms = flatten(keyed, keys).detach().cpu()[None]
         xi = float(standard_normal(bits, 1)[0] if seed is None else
                    standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing, config.population)[partition_id])
     rows, _ = constrain_sensitivity(update[None], terms, torch.tensor([xi], dtype=torch.float64),
@@ -251,7 +247,3 @@ def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tenso
 
 def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-
-
-def _finite_or(value: float, default: float) -> float:
-    return value if np.isfinite(value) else default

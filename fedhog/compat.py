@@ -13,7 +13,7 @@ No other fedhog module imports a private Flower or Opacus name (the test scans).
   (``flwr.supercore.privacy_accounting.rdp_accountant``): fedhog's PLD accountant
   reads and checks the same state and arguments (:mod:`fedhog.privacy.pld`).
 - :func:`stamp_message`: a message's id and run, set as the SuperLink sets them
-  on push (Flower's ``Metadata`` has no setter; :mod:`fedhog.engine`).
+  on push (Flower's ``Metadata`` has no setter; :mod:`fedhog.engines.inprocess`).
 - :func:`opacus_processed_flags`: Opacus' check that a clipped-gradient sum is not
   used twice, for fedhog's lattice-noise DP optimizer (:mod:`fedhog.dpsgd`).
 """

@@ -2,8 +2,9 @@
 
 :func:`deploy_local` starts ``flower-superlink`` and ``flower-supernode``
 processes on 127.0.0.1 (plain, or TLS with a throwaway CA from
-:func:`generate_tls_files`); :func:`simulate_local` starts a SuperLink in
-simulation mode (Flower's Simulation Engine, Ray) and no SuperNode. Both submit
+:func:`generate_tls_files`); :func:`fedhog.engines.simulation.simulate_local`
+starts a SuperLink in simulation mode (Flower's Simulation Engine, Ray) and no
+SuperNode. Both run on :func:`run_on_local_federation`, which submits
 the app with ``flwr run`` through a SuperLink connection in a private
 ``FLWR_HOME``, from a private temporary folder that is every process's working
 directory (never the user's), show the progress from ``metrics.json`` and stop
@@ -37,7 +38,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -56,7 +57,6 @@ HOST = "127.0.0.1"
 CONNECTION = "fedhog-local"
 MARKER = "FEDHOG_DEPLOY_ID"
 STOP_GRACE_SECONDS = 5.0
-RAY_TMPDIR_MAX_CHARS = 40  # Ray's socket paths (<tmp>/session_<date>_<pid>/sockets/plasma_store) must stay < 107 bytes
 
 
 class DeployError(RuntimeError):
@@ -460,44 +460,20 @@ def deploy_local(
         raise ConfigError(f"population={config.population} must equal the number of SuperNodes (nodes={nodes})")
     if app_dir is not None and not (app_dir / "pyproject.toml").is_file():
         raise DeployError(f"no Flower app (pyproject.toml) in app_dir={app_dir}")
-    return _run_locally(config, nodes, workdir, app_dir, timeout, startup_timeout, tls=tls)
+    return run_on_local_federation(config, nodes, workdir, app_dir, timeout, startup_timeout, tls=tls)
 
 
-def simulate_local(config: RunConfig, client_cpus: int = 1, *, timeout: float | None = None,
-                   startup_timeout: float = 180.0) -> Path:
-    """Run ``config`` on Flower's Simulation Engine behind a SuperLink of fedhog's own; return the results folder.
+def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None = None, app_dir: Path | None = None,
+                            timeout: float | None = None, startup_timeout: float = 180.0, *, tls: bool = False,
+                            federation_config: str | None = None,
+                            environment: Callable[[Path], dict[str, str]] | None = None) -> Path:
+    """Start a federation, run ``config`` on it with ``flwr run``, show its progress, stop it; return the results folder.
 
-    ``flwr run`` alone would start Flower's shared local SuperLink (fixed ports, ``~/.flwr``),
-    leave it running after the run and keep the caller's working directory as the
-    ServerApp's. Here the SuperLink (simulation mode), its SuperExec, ``flwr-simulation``
-    and Ray run in a private temporary folder (also Ray's, unless ``RAY_TMPDIR`` is set)
-    and are stopped when the run ends, fails or is interrupted.
-
-    Parameters
-    ----------
-    config : RunConfig
-        The run: ``population`` simulated SuperNodes.
-    client_cpus : int
-        CPUs Ray reserves for each simulated client.
-    timeout, startup_timeout : float
-        As in :func:`deploy_local`.
-
-    Returns
-    -------
-    Path
-        The absolute results folder, with ``flwr.log`` and ``logs/superlink.log``.
+    The driver of :func:`deploy_local` and of the Simulation Engine
+    (:func:`fedhog.engines.simulation.simulate_local`): with ``federation_config``
+    the SuperLink runs in simulation mode and ``flwr run`` sizes the simulated
+    federation. ``environment(workdir)`` adds variables for every process.
     """
-    if client_cpus < 1:
-        raise ConfigError(f"client-cpus={client_cpus} is not allowed; expected an integer ≥ 1")
-    federation_config = f"num-supernodes={config.population} client-resources-num-cpus={client_cpus}"
-    return _run_locally(config, config.population, None, None, timeout, startup_timeout,
-                        federation_config=federation_config)
-
-
-def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: Path | None,
-                 timeout: float | None, startup_timeout: float, *, tls: bool = False,
-                 federation_config: str | None = None) -> Path:
-    """Start a federation (a simulation with ``federation_config``), run ``config`` on it, stop it."""
     directory = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
     config = config.with_overrides({"results-dir": str(directory)})
     simulation = federation_config is not None
@@ -511,8 +487,8 @@ def _run_locally(config: RunConfig, nodes: int, workdir: Path | None, app_dir: P
         env = {}
         if is_factory(config.model):  # Flower's processes start in other folders: let them import the factory here
             env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-        if simulation and "RAY_TMPDIR" not in os.environ and len(str(workdir / "ray")) <= RAY_TMPDIR_MAX_CHARS:
-            env["RAY_TMPDIR"] = str(workdir / "ray")  # removed with the work folder
+        if environment is not None:
+            env.update(environment(workdir))
         app_dir = (app_dir or write_app_bundle(workdir / "app")).resolve()
         run_config = workdir / "run-config.toml"
         run_config.write_text(config_to_toml(config))

@@ -39,8 +39,7 @@ from .config import RunConfig
 from .privacy.calibration import unamplified_privacy_config
 from .strategy import RoundRecord
 
-REPLY_KEY = "arrays"  # the client's θ + η·Δ, the one ArrayRecord FedAvg accepts
-WEIGHT_KEY = "fedavg-weight"  # every client replies 1: accounted FedAvg needs equal weights
+REPLY_KEY = protocol.WEIGHTS  # the client's θ + η·Δ, the one ArrayRecord FedAvg accepts
 
 
 def flower_dp_reply(msg: Message, global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor],
@@ -48,7 +47,7 @@ def flower_dp_reply(msg: Message, global_state: dict[str, torch.Tensor], update:
     """A client's FedAvg reply: θ + η·Δ (the wrapper clips the change at η·C) and an equal weight."""
     arrays = {k: (global_state[k] + server_learning_rate * delta).detach().cpu().contiguous()
               for k, delta in update.items()}
-    metrics = MetricRecord({WEIGHT_KEY: 1, "train-loss": train_loss if math.isfinite(train_loss) else -1.0})
+    metrics = MetricRecord(protocol.fedavg_metrics(train_loss))
     return Message(RecordDict({REPLY_KEY: ArrayRecord(arrays), protocol.METRICS: metrics}), reply_to=msg)
 
 
@@ -68,7 +67,7 @@ def build_flower_dp_strategy(
         return metrics
 
     fedavg = FedAvg(fraction_train=cohort / config.population, fraction_evaluate=0.0, min_train_nodes=cohort,
-                    min_available_nodes=cohort, weighted_by_key=WEIGHT_KEY,
+                    min_available_nodes=cohort, weighted_by_key=protocol.FEDAVG_WEIGHT,
                     train_metrics_aggr_fn=aggregate_train_metrics)
     max_epsilon = config.max_epsilon if math.isfinite(config.max_epsilon) else None
     accountant = RdpAccountant(unamplified_privacy_config(config.population, config.delta, max_epsilon))
@@ -111,19 +110,17 @@ def run_flower_dp(
         released = spent.num_releases > releases
         releases = spent.num_releases
         metrics = evaluate_fn(server_round, arrays)
-        train_loss = train_metrics.pop()["train-loss"] if train_metrics and released else math.nan
+        train_loss = train_metrics.pop()[protocol.TRAIN_LOSS] if train_metrics and released else math.nan
         train_metrics.clear()
         # everything since the last round's record: that round's diagnostics and writes included
         seconds, started = (now := time.perf_counter()) - started, now
-        on_round(RoundRecord(
+        record = RoundRecord(
             round=server_round, clients_sampled=cohort, clients_accepted=cohort if released else 0,
-            clients_rejected=0 if released else cohort, epsilon=spent.epsilon,
-            seconds=seconds, accuracy=metrics["accuracy"], loss=metrics["loss"],
-            validation_accuracy=metrics.get("validation-accuracy", math.nan),
-            validation_loss=metrics.get("validation-loss", math.nan),
-            auroc=metrics.get("auroc", math.nan), auprc=metrics.get("auprc", math.nan),
+            clients_rejected=0 if released else cohort, epsilon=spent.epsilon, seconds=seconds,
             train_loss=train_loss, noise_std=config.noise_multiplier * config.clipping_norm / cohort,
-            clipping_norm=config.clipping_norm), arrays)
+            clipping_norm=config.clipping_norm)
+        record.take_evaluation(metrics)
+        on_round(record, arrays)
         return metrics
 
     log(INFO, "flower-dp baseline: %r, σ=%.6g, clip η·C=%.6g, K=%d of N=%d, RdpAccountant (no amplification)",

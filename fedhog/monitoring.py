@@ -21,7 +21,6 @@ round.
 from __future__ import annotations
 
 import math
-import re
 import resource
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,13 +34,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_http_server as _start_http_server
 
 from .files import atomic_write
+from .protocol import THIRD_ORDER_SECONDS, Rejection
 
 #: Client MetricRecord key: peak memory in bytes (see :func:`measure_peak_memory`).
 PEAK_MEMORY_KEY = "peak-memory-bytes"
 #: Client MetricRecord key: 1 if :data:`PEAK_MEMORY_KEY` is CUDA memory, 0 if it is the process's peak RSS.
 PEAK_MEMORY_CUDA_KEY = "peak-memory-cuda"
 #: Client MetricRecord key read for the third-order computation time (set by the ClientApp).
-THIRD_ORDER_SECONDS_KEY = "third-order-seconds"
+THIRD_ORDER_SECONDS_KEY = THIRD_ORDER_SECONDS
 
 #: What a snapshot file is called in the results folder, by convention.
 SNAPSHOT_NAME = "metrics.prom"
@@ -52,9 +52,9 @@ THIRD_ORDER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # Seconds per round: a simulation round on one core to a slow real deployment.
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
-# Rejection kinds (the text before ':' of a BadReply) that are not a sampled client's failure.
-_NOT_A_COHORT_REPLY = ("not_sampled", "duplicate")
-FAILURE_REASONS = ("client_error", "no_reply")
+# Rejections that are not a sampled client's failure.
+_NOT_A_COHORT_REPLY = (Rejection.NOT_SAMPLED.label, Rejection.DUPLICATE.label)
+FAILURE_REASONS = (Rejection.CLIENT_ERROR.label, "no_reply")
 
 
 # --- client side -----------------------------------------------------------------
@@ -144,11 +144,6 @@ def array_nbytes(array: Any) -> int:
 def reply_nbytes(content: Any) -> int:
     """Sum of the ``nbytes`` of every array in every ArrayRecord of a reply's RecordDict."""
     return sum(array_nbytes(array) for record in content.array_records.values() for array in record.values())
-
-
-def _reason_label(kind: str) -> str:
-    """``"non-finite third-order term"`` -> ``"non_finite_third_order_term"``."""
-    return re.sub(r"[^a-z0-9]+", "_", kind.strip().lower()).strip("_") or "unknown"
 
 
 def _number(value: Any) -> float | None:
@@ -276,7 +271,7 @@ class ServerMetrics:
         # clients
         sampled = int(values.get("clients_sampled", 0))
         accepted = int(values.get("clients_accepted", len(client_metrics)))
-        rejections = {_reason_label(k): int(v) for k, v in dict(values.get("rejections") or {}).items()}
+        rejections = {Rejection(k).label: int(v) for k, v in dict(values.get("rejections") or {}).items()}
         unexplained = int(values.get("clients_rejected", sum(rejections.values()))) - sum(rejections.values())
         if unexplained > 0:
             rejections["unknown"] = rejections.get("unknown", 0) + unexplained
@@ -284,9 +279,9 @@ class ServerMetrics:
         self._with(self.clients_accepted).inc(max(accepted, 0))
         for reason, count in rejections.items():
             self._with(self.clients_rejected, reason=reason).inc(max(count, 0))
-        client_errors = rejections.get("client_error", 0)
+        client_errors = rejections.get(Rejection.CLIENT_ERROR.label, 0)
         cohort_replies = accepted + sum(c for r, c in rejections.items() if r not in _NOT_A_COHORT_REPLY)
-        self._with(self.clients_failed, reason="client_error").inc(max(client_errors, 0))
+        self._with(self.clients_failed, reason=Rejection.CLIENT_ERROR.label).inc(max(client_errors, 0))
         self._with(self.clients_failed, reason="no_reply").inc(max(sampled - cohort_replies, 0))
         if values.get("bytes_received") is not None:
             self._with(self.bytes_received).inc(max(int(values["bytes_received"]), 0))

@@ -13,7 +13,22 @@ its trained weights under :data:`WEIGHTS` and :data:`NUM_EXAMPLES` in a
 MetricRecord. With a trusted server, SecureAggregator reads such a reply as the
 update weights − global model of the round; under secure aggregation it is
 refused (the server must never see a client's own model).
+
+A reply the server will not use is a :class:`BadReply`: its
+:class:`Rejection` kind is what ``metrics.json`` counts (``rejections``) and
+what the Prometheus metrics label, its detail what the log says.
 """
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # records of a train reply
 UPDATE = "update"
@@ -28,7 +43,97 @@ JOB_ID = "job-id"  # the training job's name, the same across resumes
 # metrics of a reply
 PARTITION_ID = "partition-id"
 NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"  # the mean local loss (informational)
+LOCAL_STEPS = "local-steps"
+CUBIC_STEPS = "hog-step-cubic-steps"  # optimizer = "hog-step": steps that took the cubic model's length
+VALIDATION_ACCURACY = "validation-accuracy"  # on the client's own validation split
+THIRD_ORDER_SECONDS = "third-order-seconds"
 THIRD_ORDER_FINITE = "third-order-finite"
+DPSGD_EPSILON = "dpsgd-epsilon"  # client-dp = "dpsgd": the client's record-level ε so far
+FEDAVG_WEIGHT = "fedavg-weight"  # the flower-dp baseline's reply: every client weighs 1 (accounted FedAvg)
+UNMEASURED = -1.0  # a loss or accuracy that is not finite travels as this
 
 # secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
 MASKED = "masked-contribution"
+
+
+def measured(value: float) -> float:
+    """``value`` if it is finite, else :data:`UNMEASURED`."""
+    return value if math.isfinite(value) else UNMEASURED
+
+
+def train_metrics(partition_id: int, num_examples: int, train_loss: float, local_steps: int, *,
+                  cubic_steps: int | None = None, validation_accuracy: float | None = None) -> dict[str, int | float]:
+    """The metrics of a fedhog train reply: whose, how many records, the mean local loss, the steps taken."""
+    metrics: dict[str, int | float] = {PARTITION_ID: partition_id, NUM_EXAMPLES: num_examples,
+                                       TRAIN_LOSS: measured(train_loss), LOCAL_STEPS: local_steps}
+    if cubic_steps is not None:
+        metrics[CUBIC_STEPS] = cubic_steps
+    if validation_accuracy is not None:
+        metrics[VALIDATION_ACCURACY] = measured(validation_accuracy)
+    return metrics
+
+
+def third_order_metrics(seconds: float, finite: bool, memory: Mapping[str, int]) -> dict[str, int | float]:
+    """What a reply says of its third-order term: its seconds, whether it is finite, and the peak ``memory``."""
+    return {THIRD_ORDER_SECONDS: seconds, THIRD_ORDER_FINITE: int(finite), **memory}
+
+
+def dpsgd_metrics(partition_id: int, epsilon: float) -> dict[str, int | float]:
+    """A DP-SGD client's reply metrics: no record counts, no raw-record statistics (see the module docstring)."""
+    return {PARTITION_ID: partition_id, DPSGD_EPSILON: epsilon}
+
+
+def fedavg_metrics(train_loss: float) -> dict[str, int | float]:
+    """The metrics of a reply to Flower's accounted FedAvg (the flower-dp baseline): an equal weight, the loss."""
+    return {FEDAVG_WEIGHT: 1, TRAIN_LOSS: measured(train_loss)}
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).
+
+    ``update`` and ``term`` are flat tensors in the layout of the global
+    model's ArrayRecord (its keys in order); ``term`` is None when the client
+    sent none; ``metrics`` is the reply's MetricRecord as a mapping.
+    """
+
+    slot: int
+    update: torch.Tensor
+    term: torch.Tensor | None
+    metrics: Mapping[str, Any]
+
+
+class Rejection(StrEnum):
+    """Why a client's reply (or, under secure aggregation, the client) was not used; the value is the kind
+    ``metrics.json`` counts in a round's ``rejections``."""
+
+    CLIENT_ERROR = "client error"  # its ClientApp raised
+    NOT_SAMPLED = "not sampled"  # the node was not in this round's cohort
+    DUPLICATE = "duplicate"  # a second reply from the same node
+    MALFORMED = "malformed"  # a record missing, or a count that is not one
+    WRONG_KEYS = "wrong keys"
+    WRONG_SHAPE = "wrong shape"
+    WRONG_DTYPE = "wrong dtype"
+    NON_FINITE_VALUES = "non-finite values"  # NaN or inf in the update or the term
+    TOO_LARGE = "too large"  # an update longer than max-update-norm
+    NON_FINITE_THIRD_ORDER_TERM = "non-finite third-order term"  # the client could not compute its term
+    WEIGHTS_REFUSED = "weights refused"  # a client's own model under secure aggregation
+    DROPPED_OUT = "dropped out"  # no reply to a stage of secure aggregation
+
+    @property
+    def label(self) -> str:
+        """The Prometheus label: ``non_finite_third_order_term``."""
+        return self.name.lower()
+
+
+class BadReply(ValueError):
+    """A client reply the aggregator will not use: its :class:`Rejection` kind and what exactly was wrong.
+
+    ``str(error)`` is ``"<kind>: <detail>"``, as the log and ``metrics.json``'s first reasons show it.
+    """
+
+    def __init__(self, kind: Rejection, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail

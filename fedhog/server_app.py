@@ -30,9 +30,10 @@ from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .server_step import ProxyStepLength
-from .protocol import JOB_ID
+from .protocol import JOB_ID, Rejection
+from .replies import runner_for
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
-from .strategy import CLIENT_ERROR, MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
+from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 
 app = ServerApp()
@@ -282,17 +283,17 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
                             train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
-                            on_round=on_round, first_round=first_round)
+                            on_round=on_round, first_round=first_round, runner=runner_for(grid))
     return result.arrays, strategy.accountant.epsilon()
 
 
 def _stop_if_every_client_failed(record: RoundRecord, reasons: dict[str, str], delta: float) -> None:
     """Stop a run whose every sampled client raised this round (nothing can train), quoting why and the ε spent."""
-    failed = record.rejections.get(CLIENT_ERROR, 0)
+    failed = record.rejections.get(Rejection.CLIENT_ERROR, 0)
     if record.clients_sampled and failed == record.clients_sampled:
         released = "nothing was released" if record.failure else "the round's noise was released all the same"
         raise RuntimeError(f"round {record.round}: every sampled client failed ({failed} of {record.clients_sampled}): "
-                           f"{client_error_summary(reasons.get(CLIENT_ERROR, ''))}; {released}: "
+                           f"{client_error_summary(reasons.get(Rejection.CLIENT_ERROR, ''))}; {released}: "
                            f"ε = {record.epsilon:.4g} (δ = {delta:g}) spent so far")
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
-from .monitoring import reply_nbytes
+from .layout import flatten_record, unflatten_like
+from .protocol import BadReply, ClientResult, Rejection
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.distributed_gaussian import DistributedGaussianAccountant
@@ -37,34 +38,14 @@ from .privacy.mechanism import (
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
 if TYPE_CHECKING:
     from .derivatives.step_size import StepSize
 
-NON_FINITE_TERM = "non-finite third-order term"
 MAX_EMPTY_IN_A_ROW = 3  # the ServerApp stops a run after this many rounds in a row without an accepted contribution
-CLIENT_ERROR = "client error"  # the rejection kind of a reply whose ClientApp raised
-
-
-class BadReply(ValueError):
-    """A client reply the aggregator will not use."""
-
-
-@dataclass(frozen=True)
-class ClientResult:
-    """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).
-
-    ``update`` and ``term`` are flat tensors in the layout of the global
-    model's ArrayRecord (its keys in order); ``term`` is None when the client
-    sent none; ``metrics`` is the reply's MetricRecord as a mapping.
-    """
-
-    slot: int
-    update: torch.Tensor
-    term: torch.Tensor | None
-    metrics: Mapping[str, Any]
 
 
 @dataclass
@@ -100,13 +81,13 @@ class RoundRecord:
     layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
     warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
 
-
-@runtime_checkable
-class CohortGrid(Protocol):
-    """A Grid that computes a whole cohort's results at once (:class:`fedhog.vectorized.VectorizedGrid`)."""
-
-    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
-        """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
+    def take_evaluation(self, metrics: Mapping[str, Any]) -> None:
+        """The server's evaluation of the round's model: ``accuracy``, ``loss``; validation, AUROC and AUPRC
+        where measured (NaN otherwise)."""
+        self.accuracy, self.loss = float(metrics["accuracy"]), float(metrics["loss"])
+        self.validation_accuracy = float(metrics.get("validation-accuracy", math.nan))
+        self.validation_loss = float(metrics.get("validation-loss", math.nan))
+        self.auroc, self.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
 
 
 class SecureAggregator(Strategy):
@@ -188,7 +169,6 @@ class SecureAggregator(Strategy):
         self._global: ArrayRecord | None = None
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
-        self._global_flat_cache: tuple[ArrayRecord, torch.Tensor] | None = None
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
@@ -287,34 +267,40 @@ class SecureAggregator(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample this round's cohort and send it the global model."""
-        cohort = self.begin_round(server_round, arrays)
-        config[protocol.SERVER_ROUND] = server_round
-        record = RecordDict({"arrays": arrays, "config": config})
-        return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in cohort]
+        return train_messages(self._train_request(server_round, arrays, config, timeout=math.inf))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Read the replies into client results, then :meth:`finish_round`."""
-        results: list[ClientResult] = []
-        seen: set[int] = set()
-        for reply in replies:
-            if not reply.has_error():
-                self.current.bytes_received += reply_nbytes(reply.content)
-            try:
-                results.append(self._read_reply(reply, seen))
-            except BadReply as error:
-                self._count_rejection(server_round, f"node {reply.metadata.src_node_id}", error)
-        return self.finish_round(server_round, results)
+        """Read the replies into client results (:class:`~fedhog.replies.ReplyReader`), then :meth:`finish_replies`."""
+        return self.finish_replies(server_round, self._reader().read(replies))
+
+    def _train_request(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                       timeout: float) -> TrainRequest:
+        """Sample this round's cohort (:meth:`begin_round`) and say what it is to train."""
+        cohort = self.begin_round(server_round, arrays)
+        config[protocol.SERVER_ROUND] = server_round
+        return TrainRequest(server_round, arrays, config, cohort, self.mechanism.kind == "hog", timeout)
+
+    def _reader(self) -> ReplyReader:
+        return ReplyReader(self._global, self._cohort, self.mechanism.kind == "hog")
+
+    def finish_replies(
+        self, server_round: int, replies: CohortReplies
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Count the replies refused on arrival and the bytes received, then :meth:`finish_round`."""
+        self.current.bytes_received += replies.bytes_received
+        for sender, error in replies.refused:
+            self._count_rejection(server_round, sender, error)
+        return self.finish_round(server_round, replies.results)
 
     def finish_round(
         self, server_round: int, results: Iterable[ClientResult]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the cohort's results, run the mechanism, apply the update, compose the event.
 
-        Every engine ends a round here: Flower's and the in-process engine with
-        the replies :meth:`aggregate_train` read, the vectorized engine with the
-        results it computed for the whole cohort at once.
+        Every engine ends a trusted-server round here, with the results its
+        :class:`~fedhog.replies.CohortRunner` delivered.
         """
         record = self.current
         results = list(results)
@@ -329,8 +315,7 @@ class SecureAggregator(Strategy):
         if record.clients_sampled and not contributions and self.mechanism.kind != "none":
             self._note_empty_round(server_round)
 
-        keys = list(self._global.keys())
-        flat_global = _flatten(self._global, keys)
+        flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         xis = [0.0] * len(contributions)
         if self.mechanism.kind == "hog":  # one ξ per slot of the population: a client's ξ does not depend on who else replied
@@ -360,13 +345,14 @@ class SecureAggregator(Strategy):
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         client_metrics = [metrics for _, _, metrics in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
-        losses = [m["train-loss"] for m in client_metrics if m.get("train-loss", -1.0) >= 0]  # optional, informational
+        losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
+                  if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
-        record_epsilons = [m["dpsgd-epsilon"] for m in client_metrics if "dpsgd-epsilon" in m]
+        record_epsilons = [m[protocol.DPSGD_EPSILON] for m in client_metrics if protocol.DPSGD_EPSILON in m]
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
-        seconds = [m["third-order-seconds"] for m in client_metrics if "third-order-seconds" in m]
+        seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
-        return _unflatten(new_flat, self._global, keys), MetricRecord(
+        return unflatten_like(new_flat, self._global), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
@@ -413,10 +399,10 @@ class SecureAggregator(Strategy):
                                 self.secure_aggregation, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
             for sender, reason in watch.reasons(error.dropped).items():
-                self._count_rejection(server_round, sender, BadReply(reason))
+                self._count_rejection(server_round, sender, reason)
             self._round_randomness = None
             record.failure = f"secure aggregation failed: {error}"
-            every_client_raised = all(r.startswith(f"{CLIENT_ERROR}:") for r in error.dropped.values())
+            every_client_raised = all(r.kind is Rejection.CLIENT_ERROR for r in error.dropped.values())
             if str(error).startswith("setup:") and every_client_raised:
                 record.failure += f" ({SECURE_NEEDS_FEDHOG_CLIENTS})"
             record.epsilon = self.accountant.epsilon()
@@ -433,12 +419,11 @@ class SecureAggregator(Strategy):
         """
         record = self.current
         for sender, reason in result.dropped.items():
-            self._count_rejection(server_round, sender, BadReply(reason))
+            self._count_rejection(server_round, sender, reason)
         record.bytes_received += result.bytes_received
         record.clients_accepted = result.contributors
         record.clipping_norm = self.mechanism.clipping_norm
-        keys = list(self._global.keys())
-        flat_global = _flatten(self._global, keys)
+        flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         noise = self.secure_aggregation.noise
         if noise is None:
@@ -453,7 +438,7 @@ class SecureAggregator(Strategy):
                                      record)
         record.epsilon = self.accountant.epsilon()
         record.noise_std = sum_std / expected_cohort
-        return _unflatten(new_flat, self._global, keys), MetricRecord(
+        return unflatten_like(new_flat, self._global), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected})
 
@@ -469,56 +454,16 @@ class SecureAggregator(Strategy):
 
     def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
         record = self.current
-        kind = str(error).split(":")[0]
+        kind = error.kind.value  # a plain str: records are written to metrics.json and checkpoints
         record.clients_rejected += 1
         record.rejections[kind] = record.rejections.get(kind, 0) + 1
         self.rejection_reasons.setdefault(kind, str(error))
-        record.third_order_failures += kind == NON_FINITE_TERM
+        record.third_order_failures += error.kind is Rejection.NON_FINITE_THIRD_ORDER_TERM
         log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, error)
-
-    def _check_sender(self, reply: Message, seen: set[int]) -> int:
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            raise BadReply(f"{CLIENT_ERROR}: {reply.error.reason}")
-        if node not in self._cohort:
-            raise BadReply("not sampled: the node was not in this round's cohort")
-        if node in seen:
-            raise BadReply("duplicate: a second reply from the same node")
-        seen.add(node)
-        return self._cohort[node]
-
-    def _read_reply(self, reply: Message, seen: set[int]) -> ClientResult:
-        """The arrays and metrics of a reply from a sampled node, or :class:`BadReply`.
-
-        A reply in Flower's convention (weights under ``arrays``, no ``update``;
-        see :mod:`fedhog.protocol`) is read as the update weights − global model.
-        """
-        slot = self._check_sender(reply, seen)
-        content = reply.content
-        metrics = dict(_read_metrics(content))
-        weights = protocol.UPDATE not in content.array_records and protocol.WEIGHTS in content.array_records
-        if weights:  # clipped and noised as any update: the conversion is the reply's own, per client
-            update = _read_like(content, protocol.WEIGHTS, self._global) - self._global_flat()
-        else:
-            update = _read_like(content, protocol.UPDATE, self._global)
-        term = None
-        if self.mechanism.kind == "hog" and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
-            if weights and protocol.TERM not in content.array_records:
-                raise BadReply(f"malformed: mechanism='hog' needs the third-order term '{protocol.TERM}', which a "
-                               "standard Flower ClientApp does not send (use mechanism='gaussian', or fedhog's "
-                               "ClientApp)")
-            term = _read_like(content, protocol.TERM, self._global)
-        return ClientResult(slot, update, term, metrics)
-
-    def _global_flat(self) -> torch.Tensor:
-        """This round's global model, flat (computed once a round, for replies that send weights)."""
-        if self._global_flat_cache is None or self._global_flat_cache[0] is not self._global:
-            self._global_flat_cache = (self._global, _flatten(self._global, list(self._global.keys())))
-        return self._global_flat_cache[1]
 
     def read_contribution(self, reply: Message) -> Contribution:
         """Turn a reply into a flat contribution, or raise :class:`BadReply` (for a sampled node)."""
-        verdict = self._validate([self._read_reply(reply, set())])[0]
+        verdict = self._validate([self._reader().read_one(reply, set())])[0]
         if isinstance(verdict, BadReply):
             raise verdict
         return verdict
@@ -549,23 +494,24 @@ class SecureAggregator(Strategy):
         if not self.equal_weights:
             weight = metrics.get(protocol.NUM_EXAMPLES)
             if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise BadReply(f"malformed: num-examples={weight!r}")
+                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
         if not finite:
-            raise BadReply(f"non-finite values: '{protocol.UPDATE}' holds NaN or inf")
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
         if not norm <= self.max_update_norm:
-            raise BadReply(f"too large: update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
-                           if math.isfinite(norm) else f"too large: update norm {norm} is not finite")
+            raise BadReply(Rejection.TOO_LARGE,
+                           f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
+                           if math.isfinite(norm) else f"update norm {norm} is not finite")
         if self.mechanism.kind != "hog":
             return Contribution(update=result.update, weight=weight)
         if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
-            raise BadReply(f"{NON_FINITE_TERM}: the client reported a failed computation")
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
         if result.term is None or term_check is None:
-            raise BadReply(f"malformed: no ArrayRecord '{protocol.TERM}'")
+            raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{protocol.TERM}'")
         term_norm, term_finite = term_check
         if not term_finite:
-            raise BadReply(f"non-finite values: '{protocol.TERM}' holds NaN or inf")
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.TERM}' holds NaN or inf")
         if not math.isfinite(term_norm):
-            raise BadReply(f"{NON_FINITE_TERM}: its norm is not finite in float64")
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "its norm is not finite in float64")
         return Contribution(update=result.update, weight=weight, term=result.term)
 
     # --- no federated evaluation: the server evaluates centrally -------------
@@ -582,7 +528,7 @@ class SecureAggregator(Strategy):
     # --- the loop -------------------------------------------------------------
     def start(  # pylint: disable=too-many-arguments
         self,
-        grid: Grid,
+        grid: Grid | None,
         initial_arrays: ArrayRecord,
         num_rounds: int = 3,
         timeout: float = 3600,
@@ -591,6 +537,7 @@ class SecureAggregator(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         on_round: Callable[[RoundRecord, ArrayRecord], None] | None = None,
         first_round: int = 1,
+        runner: CohortRunner | None = None,
     ) -> Result:
         """Run rounds ``first_round``..``num_rounds``; stop before a release beyond ``max_epsilon``.
 
@@ -598,6 +545,10 @@ class SecureAggregator(Strategy):
         ``on_round`` (which writes results and checkpoints), so a crash loses
         nothing done, and a resumed run starts at ``first_round``. The initial
         model is not evaluated here (the ServerApp does that before round 1).
+        Each trusted-server round's client results come from ``runner``
+        (default: a :class:`~fedhog.replies.MessageRunner` over ``grid``);
+        secure-aggregation rounds are messages through ``grid``. ``grid`` may
+        be None for a trusted server whose ``runner`` needs none.
         """
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
@@ -610,6 +561,7 @@ class SecureAggregator(Strategy):
                     f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise "
                     f"sampler's analysis (values within 20 standard deviations): it adds up to {tail:.3g} to "
                     f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
+        runner = runner if runner is not None else MessageRunner(grid)
         result = Result()
         arrays = initial_arrays
         handed_over = time.perf_counter()  # when the last round's record was complete: where this round's time starts
@@ -618,17 +570,12 @@ class SecureAggregator(Strategy):
                 log(WARNING, "Stopping before round %d: its release would take ε past max-epsilon=%g "
                     "(ε so far %.4g)", server_round, self.max_epsilon, self.accountant.epsilon())
                 break
-            if self.secure_aggregation is not None:  # message by message on every engine (vectorized included)
-                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays,
-                                                              ConfigRecord(dict(train_config or {})), timeout)
-            elif isinstance(grid, CohortGrid):  # the vectorized engine: the whole cohort in one computation
-                results = grid.train_cohort(server_round, arrays, self.begin_round(server_round, arrays))
-                self.current.bytes_received += sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
-                new_arrays, train_metrics = self.finish_round(server_round, results)
+            config = ConfigRecord(dict(train_config or {}))
+            if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
+                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
             else:
-                messages = self.configure_train(server_round, arrays, ConfigRecord(dict(train_config or {})), grid)
-                replies = grid.send_and_receive(messages, timeout=timeout)
-                new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+                replies = runner.train(self._train_request(server_round, arrays, config, timeout))
+                new_arrays, train_metrics = self.finish_replies(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
@@ -637,11 +584,7 @@ class SecureAggregator(Strategy):
             if evaluate_fn:
                 metrics = evaluate_fn(server_round, arrays)
                 result.evaluate_metrics_serverapp[server_round] = metrics
-                record.accuracy, record.loss = float(metrics["accuracy"]), float(metrics["loss"])
-                if "validation-accuracy" in metrics:
-                    record.validation_accuracy = float(metrics["validation-accuracy"])
-                    record.validation_loss = float(metrics["validation-loss"])
-                record.auroc, record.auprc = (float(metrics.get(name, math.nan)) for name in ("auroc", "auprc"))
+                record.take_evaluation(metrics)
             # everything since the last round's record: that round's diagnostics, checkpoint and writes included
             record.seconds = (now := time.perf_counter()) - handed_over
             handed_over = now
@@ -654,8 +597,8 @@ class SecureAggregator(Strategy):
         return result
 
 
-WEIGHTS_UNDER_SECURE_AGGREGATION = (
-    "weights refused: the reply carries the client's model under 'arrays' (a standard Flower ClientApp), which "
+WEIGHTS_UNDER_SECURE_AGGREGATION = (  # the detail of a Rejection.WEIGHTS_REFUSED
+    "the reply carries the client's model under 'arrays' (a standard Flower ClientApp), which "
     "the server must never see under secure aggregation; each client must clip, quantise and mask its own update: "
     "run fedhog's ClientApp, or turn secure-aggregation off")
 
@@ -689,56 +632,12 @@ class _WeightsWatch:
                          if not r.has_error() and protocol.WEIGHTS in r.content.array_records}
         return replies
 
-    def reasons(self, dropped: Mapping[str, str]) -> dict[str, str]:
+    def reasons(self, dropped: Mapping[str, BadReply]) -> dict[str, BadReply]:
         """``dropped`` with the reason of every node that sent weights replaced by the clear one."""
-        return {sender: WEIGHTS_UNDER_SECURE_AGGREGATION if sender in self.senders else reason
-                for sender, reason in dropped.items()}
+        return {sender: BadReply(Rejection.WEIGHTS_REFUSED, WEIGHTS_UNDER_SECURE_AGGREGATION)
+                if sender in self.senders else reason for sender, reason in dropped.items()}
 
 
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
-
-
-def _read_metrics(content: RecordDict) -> MetricRecord:
-    """The reply's MetricRecord: ``metrics``, or the only one it holds, whatever its name."""
-    if protocol.METRICS in content.metric_records:
-        return content[protocol.METRICS]
-    if len(content.metric_records) == 1:
-        return next(iter(content.metric_records.values()))
-    raise BadReply(f"malformed: no MetricRecord '{protocol.METRICS}'")
-
-
-def _read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
-    """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
-    if key not in content.array_records:
-        raise BadReply(f"malformed: no ArrayRecord '{key}'")
-    record = content[key]
-    if list(record.keys()) != list(reference.keys()):
-        raise BadReply(f"wrong keys: '{key}' has {list(record.keys())[:4]}...")
-    for name in reference.keys():
-        got, want = record[name], reference[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise BadReply(f"wrong shape: '{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
-        if got.dtype != want.dtype:
-            raise BadReply(f"wrong dtype: '{key}/{name}' is {got.dtype}, expected {want.dtype}")
-    return _flatten(record, list(reference.keys()))
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    """What a tensor weighs as a reply's array (0 for none)."""
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
-def _flatten(record: ArrayRecord, keys: list[str]) -> torch.Tensor:
-    return torch.cat([torch.from_numpy(np.ascontiguousarray(record[k].numpy())).reshape(-1) for k in keys])
-
-
-def _unflatten(flat: torch.Tensor, like: ArrayRecord, keys: list[str]) -> ArrayRecord:
-    out, offset = {}, 0
-    for key in keys:
-        shape = tuple(like[key].shape)
-        size = int(np.prod(shape))
-        out[key] = flat[offset:offset + size].reshape(shape).clone()
-        offset += size
-    return ArrayRecord(out)

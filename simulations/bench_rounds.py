@@ -6,8 +6,8 @@ batch 10, DP-FedAvg with σ = 1.675 or HOG mixing with γ = 0.5, an MLP or the
 1-D CNN. Every configuration runs in a fresh process (so its peak RSS is its
 own) on:
 
-- ``inprocess``: the Flower apps, one message per client (:mod:`fedhog.engine`);
-- ``vectorized``: the cohort as one batch (:mod:`fedhog.vectorized`);
+- ``inprocess``: the Flower apps, one message per client (:mod:`fedhog.engines.inprocess`);
+- ``vectorized``: the cohort as one batch (:mod:`fedhog.engines.vectorized`);
 - ``simulation`` (``--full`` only): Flower's Simulation Engine through ``fedhog run``.
 
 An extra pair of rows runs the MLP with ``accountant = "rdp"``: the PLD
@@ -61,9 +61,9 @@ def run_one(spec: dict) -> dict:
     from fedhog import results
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
-    from fedhog.engine import run_in_process
+    from fedhog.engines.inprocess import run_in_process
     from fedhog.server_app import app as server_app
-    from fedhog.vectorized import run_vectorized
+    from fedhog.engines.vectorized import run_vectorized
 
     torch.set_num_threads(spec["threads"])
     config = RunConfig().with_overrides(spec["config"])
@@ -194,14 +194,14 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -
     """The cohort's local work (gaussian) and with the HOG term, per activation, against tanh's.
 
     What an activation changes in a vectorized round is the cohort's training and, with HOG, its third-order
-    terms (:class:`fedhog.cohort.CohortTrainer`); the rest of a round (sampling, clipping, noise, accounting,
+    terms (:class:`fedhog.engines.cohort.CohortTrainer`); the rest of a round (sampling, clipping, noise, accounting,
     evaluation) does not depend on it. So this times exactly that, in this process, the activations
     interleaved (``rounds`` repetitions, round-robin, medians), so that load from other processes on a
     shared machine falls on every activation alike.
     """
     import torch
 
-    from fedhog.cohort import CohortTrainer, HogSettings
+    from fedhog.engines.cohort import CohortTrainer, HogSettings
     from fedhog.config import RunConfig
     from fedhog.data import dataset_info, population_training_data
     from fedhog.models import ACTIVATIONS, build_model

@@ -50,7 +50,7 @@ def measure(cohort: int, mode: str, shares: int, directory: Path, noise: str = "
 
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
-    from fedhog.engine import InProcessGrid
+    from fedhog.engines.inprocess import InProcessGrid
     from fedhog.server_app import app as server_app
 
     class CountingGrid(InProcessGrid):

@@ -26,7 +26,7 @@ from fedhog import protocol
 from fedhog.checkpoint import CHECKPOINT
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
-from fedhog.engine import InProcessGrid, run_in_process
+from fedhog.engines.inprocess import InProcessGrid, run_in_process
 from fedhog.privacy import randomness
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.adaptive_clipping import AdaptiveClipping, AdaptiveClippingSettings

@@ -12,6 +12,7 @@ import torch
 from helpers import read_metrics, set_args
 
 from fedhog import cli
+from fedhog import engines as engine_registry
 from fedhog.config import ConfigError, RunConfig
 from fedhog.results import RUN_FILES, ResultsWriter, claim_results_dir, config_to_toml
 
@@ -240,7 +241,7 @@ def test_the_checkouts_quickstart_is_the_packaged_one():
 # --- a run whose every client fails ---------------------------------------------------
 def test_a_run_whose_every_client_fails_stops_with_their_reason_and_the_epsilon_spent(tmp_path, capsys, monkeypatch):
     """device='cuda' slipping past the up-front check (as on a server that has CUDA but clients that do not)."""
-    monkeypatch.setattr(cli, "check_device", lambda device: None)
+    monkeypatch.setattr(engine_registry, "check_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the clients run in this process
     results = tmp_path / "run"
     code = cli.main(["run", "--engine", "inprocess", *set_args(*TINY, "rounds=3", "sampling-rate=1.0", "device=cuda",

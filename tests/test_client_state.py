@@ -24,7 +24,7 @@ from fedhog.client_state import (
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info
 from fedhog.dpsgd import record_privacy
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.models import build_model
 
 logging.getLogger("absl").setLevel(logging.ERROR)

@@ -132,7 +132,7 @@ def test_flwr_cli_errors_are_quoted_from_their_box(tmp_path):
 @pytest.mark.subprocess
 def test_deployment_matches_the_inprocess_engine(tmp_path):
     from fedhog.client_app import app as client_app
-    from fedhog.engine import run_in_process
+    from fedhog.engines.inprocess import run_in_process
     from fedhog.server_app import app as server_app
 
     config = _config(tmp_path, "deployed")
@@ -168,7 +168,7 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
     the SuperNode's context between them, and with distributed noise each process recomputes the same plan.
     Same privacy seed: the in-process engine unmasks the same sum."""
     from fedhog.client_app import app as client_app
-    from fedhog.engine import run_in_process
+    from fedhog.engines.inprocess import run_in_process
     from fedhog.server_app import app as server_app
 
     secure = {"population": 3, "rounds": 1, "secure-aggregation": "secagg+", **noise}

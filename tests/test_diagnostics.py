@@ -15,7 +15,7 @@ from fedhog.diagnostics import noise_walk_length, saturated_fractions, warnings_
 from fedhog.progress import round_status
 from fedhog.server_app import app as server_app
 from fedhog.server_optimizer import ServerOptimizer, ServerOptimizerSettings
-from fedhog.vectorized import run_vectorized
+from fedhog.engines.vectorized import run_vectorized
 
 
 @pytest.mark.parametrize("kind, momentum", [("sgd", 0.0), ("momentum", 0.9), ("momentum", 0.5)])

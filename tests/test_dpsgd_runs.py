@@ -13,7 +13,7 @@ from helpers import read_metrics, read_run, same_state
 
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.server_app import run_server
 
 logging.getLogger("absl").setLevel(logging.ERROR)

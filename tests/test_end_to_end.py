@@ -15,7 +15,7 @@ from helpers import read_metrics
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_server_validation_set, load_test_set
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.models import build_model
 from fedhog.server_app import app as server_app
 from fedhog.training import evaluate
@@ -171,7 +171,7 @@ def test_a_federation_smaller_than_the_population_is_a_clear_error(tmp_path, pri
 
 def test_identification_keys_sampling_by_partition_id(tmp_path):
     """With a fixed privacy seed, the cohort is the same whatever node ids the engine assigns."""
-    from fedhog.engine import InProcessGrid
+    from fedhog.engines.inprocess import InProcessGrid
     from fedhog.server_app import build_strategy
 
     config = RunConfig().with_overrides({**SMALL, "privacy-seed": 5})

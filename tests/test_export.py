@@ -12,7 +12,7 @@ import torch
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_test_set
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.export import ExportError, export_model, load_trained_model
 from fedhog.models import MODELS, build_model
 from fedhog.results import config_to_toml

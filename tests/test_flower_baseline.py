@@ -11,7 +11,7 @@ from helpers import read_run
 
 from fedhog.client_app import app as client_app
 from fedhog.config import ConfigError, RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.flower_baseline import build_flower_dp_strategy
 from fedhog.privacy.calibration import (
     calibrate_unamplified_noise_multiplier,

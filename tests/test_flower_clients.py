@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.server_app import build_strategy
 from fedhog.strategy import SECURE_NEEDS_FEDHOG_CLIENTS, WEIGHTS_UNDER_SECURE_AGGREGATION
 
@@ -174,4 +174,5 @@ def test_secure_aggregation_refuses_a_reply_that_carries_weights():
     ours = _fedhog(1, app, mechanism="gaussian", **{"noise-multiplier": 1.0, "secure-aggregation": "secagg+"})
     record = ours["records"][0]
     assert record.clients_accepted == 0 and record.failure.startswith("secure aggregation failed")
-    assert ours["strategy"].rejection_reasons == {"weights refused": WEIGHTS_UNDER_SECURE_AGGREGATION}
+    refused = f"weights refused: {WEIGHTS_UNDER_SECURE_AGGREGATION}"
+    assert ours["strategy"].rejection_reasons == {"weights refused": refused}

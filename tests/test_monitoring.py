@@ -24,7 +24,8 @@ from fedhog.monitoring import (
     peak_rss_bytes,
     reply_nbytes,
 )
-from fedhog.strategy import NON_FINITE_TERM, RoundRecord
+from fedhog.protocol import Rejection
+from fedhog.strategy import RoundRecord
 
 
 def samples(text: str | bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -56,7 +57,7 @@ def scrape(port: int) -> str:
 def round_record(n: int, **overrides) -> RoundRecord:
     """A synthetic round: 5 sampled, 3 accepted, 1 rejected as non-finite, 1 silent."""
     fields = {"round": n, "clients_sampled": 5, "clients_accepted": 3, "clients_rejected": 1,
-              "rejections": {NON_FINITE_TERM: 1}, "epsilon": 0.25 * n, "seconds": 0.75,
+              "rejections": {Rejection.NON_FINITE_THIRD_ORDER_TERM: 1}, "epsilon": 0.25 * n, "seconds": 0.75,
               "accuracy": 0.5 + 0.1 * n, "loss": 2.0 / n, "train_loss": 1.5 / n,
               "third_order_seconds_max": 0.02 * n, "third_order_failures": 1}
     fields.update(overrides)

@@ -9,7 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedhog import protocol
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.server_app import build_strategy
 
 POPULATION = 4

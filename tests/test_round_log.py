@@ -13,7 +13,7 @@ from fedhog import results, server_app
 from fedhog.checkpoint import Checkpoint, CheckpointError, checkpointed_rounds, load_checkpoint, save_checkpoint
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.results import ROUND_LOG, ResultsWriter, read_round_log
 
 

@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvgM, FedYogi
 from helpers import read_run
 
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
 pytestmark = pytest.mark.usefixtures("server_identity")
@@ -100,7 +100,7 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, fresh_c
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
     from fedhog.server_app import app as server_app
-    from fedhog.vectorized import run_vectorized
+    from fedhog.engines.vectorized import run_vectorized
 
     base = {"dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5, "partitioner": "iid",
             "mechanism": "gaussian", "noise-multiplier": 0.5, "privacy-seed": 3, "server-optimizer": "adam",

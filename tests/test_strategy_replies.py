@@ -9,12 +9,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from fedhog.engine import InProcessGrid
+from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
+from fedhog.protocol import Rejection
 from fedhog.server_optimizer import ServerOptimizerSettings
-from fedhog.strategy import NON_FINITE_TERM, SecureAggregator
+from fedhog.strategy import SecureAggregator
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 # node ids are deliberately not in partition order
@@ -304,7 +305,7 @@ def test_hog_rejects_missing_failed_or_malformed_terms():
     xi = slot_xis(0, 6)[0]
     mixed = U0 + 0.5 * xi * np.linalg.norm(U0) / np.linalg.norm(T0) * T0
     assert_round(aggregator, result, 1,
-                 {"malformed": 1, NON_FINITE_TERM: 1, "non-finite values": 1, "wrong dtype": 1},
+                 {"malformed": 1, Rejection.NON_FINITE_THIRD_ORDER_TERM: 1, "non-finite values": 1, "wrong dtype": 1},
                  expected_global([mixed], 1.0, 6, 1.0))
     assert aggregator.current.third_order_failures == 1
 

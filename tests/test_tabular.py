@@ -123,7 +123,7 @@ def _config(path, **keys):
 
 
 def _check_loaded(config: RunConfig) -> None:
-    from fedhog.api import check_inputs
+    from fedhog.engines import check_inputs
 
     check_inputs(config)
 

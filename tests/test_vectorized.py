@@ -16,15 +16,15 @@ from helpers import read_run
 
 from fedhog.client_app import app as client_app
 from fedhog.client_app import third_order_term
-from fedhog.cohort import CohortTrainer, HogSettings
 from fedhog.config import RunConfig
 from fedhog.data import dataset_info, load_client_data, load_test_set, population_training_data
-from fedhog.engine import run_in_process
+from fedhog.engines.cohort import CohortTrainer, HogSettings
+from fedhog.engines.inprocess import InProcessGrid, run_in_process
+from fedhog.engines.vectorized import VectorizedGrid, run_vectorized, unbatchable_reason
 from fedhog.models import build_model
+from fedhog.replies import MessageRunner, runner_for
 from fedhog.server_app import app as server_app
-from fedhog.strategy import CohortGrid
 from fedhog.training import direction_seed, train_locally
-from fedhog.vectorized import VectorizedGrid, run_vectorized, unbatchable_reason
 
 SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate": 0.5, "rounds": 3,
          "partitioner": "dirichlet", "local-epochs": 2, "batch-size": 8, "learning-rate": 0.1, "momentum": 0.5,
@@ -162,10 +162,11 @@ def test_what_cannot_be_batched_runs_client_by_client(tmp_path, caplog):
         assert torch.equal(model_v[key], model_i[key])  # the very same per-client path
 
 
-def test_the_vectorized_grid_is_a_cohort_grid_and_answers_discovery():
+def test_the_vectorized_grid_offers_its_own_cohort_runner_and_answers_discovery():
     config = _config()
     grid = VectorizedGrid(client_app, config)
-    assert isinstance(grid, CohortGrid)
+    assert runner_for(grid) is grid.cohort_runner
+    assert isinstance(runner_for(InProcessGrid(client_app, 2, config.to_mapping())), MessageRunner)
     assert sorted(grid.partition_of_node.values()) == list(range(config.population))
 
 

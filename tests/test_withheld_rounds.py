@@ -12,7 +12,7 @@ from test_strategy_replies import GLOBAL_FLAT, NODES, bad_record, flat_of, make_
 
 from fedhog.checkpoint import load_checkpoint
 from fedhog.config import RunConfig
-from fedhog.engine import run_in_process
+from fedhog.engines.inprocess import run_in_process
 from fedhog.server_app import app as server_app
 from fedhog.strategy import MAX_EMPTY_IN_A_ROW
 

@@ -20,11 +20,12 @@ Where the code runs (:data:`HARNESSES`):
   adaptive clipping and accountant, without per-reply bookkeeping. Mechanism
   level, O(canaries) a round: a million trials in seconds.
 - ``strategy`` (trusted server): fedhog's :class:`~fedhog.strategy.SecureAggregator`, built by
-  the ServerApp's own ``build_strategy``, its round loop ``start`` on a grid
-  that answers each cohort with the canaries' results (the vectorized
-  engine's interface): sampling, reply validation, mixing, clipping, the
-  lattice sum, ``add_noise``, adaptive clipping, accounting and the server
-  step are the run's. End-to-end but for the clients' training.
+  the ServerApp's own ``build_strategy``, its round loop ``start`` with a
+  :class:`~fedhog.replies.CohortRunner` that answers each cohort with the
+  canaries' results (as the vectorized engine's runner does): sampling,
+  reply validation, mixing, clipping, the lattice sum, ``add_noise``,
+  adaptive clipping, accounting and the server step are the run's. End-to-end
+  but for the clients' training.
 - ``secure``: the same strategy's ``begin_round`` and ``finish_secure_round``
   (the server's noise, or none with distributed noise); each sampled client's
   contribution is made by the steps of the ClientApp's
@@ -64,7 +65,9 @@ from ..privacy.audit.attacks import Observation
 from ..privacy.mechanism import CLIP_GUARD
 from ..privacy.randomness import PrivacyRandomness, client_bits, standard_normal
 from ..privacy.sampling import sample_cohort
-from ..strategy import ClientResult, RoundRecord, SecureAggregator
+from ..protocol import ClientResult
+from ..replies import CohortReplies, TrainRequest
+from ..strategy import RoundRecord, SecureAggregator
 
 ARRAY_KEY = "canaries"
 SQRT_HALF = math.sqrt(0.5)
@@ -178,20 +181,21 @@ def _strategy(config: RunConfig, dimension: int, hook: StrategyHook | None) -> S
 
 
 class _CanaryCohorts:
-    """The vectorized engine's ``train_cohort``, answered by the canaries (a :class:`~fedhog.strategy.CohortGrid`)."""
+    """A :class:`~fedhog.replies.CohortRunner` whose clients are the canaries (as the vectorized engine's runner)."""
 
     def __init__(self, canaries: CanarySet, relation: str, hog: bool) -> None:
         self.canaries, self.relation, self.hog = canaries, relation, hog
 
-    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: dict[int, int]) -> list[ClientResult]:
+    def train(self, request: TrainRequest) -> CohortReplies:
+        """Each sampled canary's result (an out-canary under add/remove sends none)."""
         results = []
-        for slot in sorted(cohort.values()):
+        for slot in sorted(request.cohort.values()):
             sign = self.canaries.sign(slot, self.relation)
             if sign:
                 results.append(ClientResult(slot, self.canaries.update(slot, sign),
                                             self.canaries.term(slot) if self.hog else None,
                                             {protocol.NUM_EXAMPLES: 1}))
-        return results
+        return CohortReplies(results)
 
 
 def run_trusted(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None = None) -> RunOutcome:
@@ -206,8 +210,8 @@ def run_trusted(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
         clipped = min(canaries.norm, record.clipping_norm * CLIP_GUARD)
         recorder.observe(_flat(arrays), record.noise_std * cohort, clipped, cohort)
 
-    strategy.start(_CanaryCohorts(canaries, relation, config.mechanism == "hog"), initial,
-                   num_rounds=config.rounds, on_round=on_round)
+    strategy.start(None, initial, num_rounds=config.rounds, on_round=on_round,
+                   runner=_CanaryCohorts(canaries, relation, config.mechanism == "hog"))
     return RunOutcome(recorder.observation(canaries, config.sampling_rate, relation), strategy.accountant.epsilon())
 
 
@@ -323,7 +327,7 @@ def run_flower_dp(config: RunConfig, canaries: CanarySet, hook: StrategyHook | N
     """One run of Flower's accounted DP wrapper over FedAvg, its clients replying θ + canary."""
     from flwr.clientapp import ClientApp
 
-    from ..engine import InProcessGrid
+    from ..engines.inprocess import InProcessGrid
     from ..flower_baseline import build_flower_dp_strategy, flower_dp_reply
 
     relation = relation_of(config)

@@ -39,6 +39,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from .. import protocol
+from ..protocol import BadReply, Rejection
 from ..monitoring import reply_nbytes
 from .distributed_noise import DistributedNoise
 from .graph import share_count, threshold_count
@@ -52,7 +53,7 @@ class SecureAggregationFailed(RuntimeError):
     ``dropped`` maps ``"node <id>"`` to why that node dropped out.
     """
 
-    def __init__(self, reason: str, dropped: dict[str, str] | None = None) -> None:
+    def __init__(self, reason: str, dropped: dict[str, BadReply] | None = None) -> None:
         super().__init__(reason)
         self.dropped = dict(dropped or {})
 
@@ -99,7 +100,7 @@ class SecureSum:
     levels: torch.Tensor  # int64 [d], Σ q_i over ``contributors``
     lattice: ModularLattice
     contributors: int
-    dropped: dict[str, str] = field(default_factory=dict)  # "node <id>" -> why (a client error, or no reply)
+    dropped: dict[str, BadReply] = field(default_factory=dict)  # "node <id>" -> why (a client error, or no reply)
     bytes_received: int = 0
 
 
@@ -109,7 +110,7 @@ class _Round:
     neighbours: dict[int, set[int]]
     threshold: int
     lattice: ModularLattice
-    dropped: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, BadReply] = field(default_factory=dict)
     bytes_received: int = 0
 
 
@@ -243,16 +244,16 @@ def _exchange(grid: Grid, state: _Round, contents: dict[int, RecordDict], timeou
         if node not in contents or node in answers:
             continue
         if reply.has_error():
-            state.dropped[f"node {node}"] = f"client error: {reply.error.reason}"
+            state.dropped[f"node {node}"] = BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
             continue
         state.bytes_received += reply_nbytes(reply.content)
         try:
             answers[node] = read(reply) if read else reply.content[RECORD_KEY_CONFIGS]
         except (KeyError, TypeError, ValueError) as error:
-            state.dropped[f"node {node}"] = f"malformed: {error}"
+            state.dropped[f"node {node}"] = BadReply(Rejection.MALFORMED, str(error))
     for node in contents:
         if node not in answers and f"node {node}" not in state.dropped:
-            state.dropped[f"node {node}"] = "dropped out: no reply"
+            state.dropped[f"node {node}"] = BadReply(Rejection.DROPPED_OUT, "no reply")
     return answers
 
 

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import ConfigError, RunConfig, load_config
+from ..engines import run_engine
 from ..progress import console, read_metrics_file
 from .audit import collect_audits, is_audited, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
@@ -185,16 +186,8 @@ def tuning_choices(sweep: Sweep) -> tuple[list[TrialScore], dict[tuple[str, tupl
 
 
 def _run_cell(cell: Cell, engine: str) -> None:
-    from ..client_app import app as client_app  # heavy imports only when running
-    from ..engine import run_in_process
-    from ..server_app import app as server_app
-    from ..vectorized import run_vectorized
-
     shutil.rmtree(cell.directory, ignore_errors=True)  # a crashed run starts over
-    if engine == "vectorized":
-        run_vectorized(server_app, client_app, cell.config)
-    else:
-        run_in_process(server_app, client_app, cell.config.population, cell.config.to_mapping())
+    run_engine(engine, cell.config)
 
 
 class _DropPerCellWarnings(logging.Filter):

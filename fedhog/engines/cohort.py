@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
-from .training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
+from ..layout import flatten, unflatten
+from ..training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
 
 
 def unbatchable_model_reason(model: nn.Module) -> str | None:
@@ -180,7 +181,7 @@ class CohortTrainer:
         names = [name for name, _ in self.model.named_parameters()]
         like = {k: start[k] for k in names}
         if hog.term == "random":
-            rows = [self._flat({**like, **random_direction(like, control_term_seed(seed))}) for seed in seeds]
+            rows = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys) for seed in seeds]
             return torch.stack(rows), [True] * len(seeds)
         directions = []
         for k, seed in enumerate(seeds):
@@ -203,18 +204,9 @@ class CohortTrainer:
         flat = torch.cat([terms[k].reshape(len(rows), -1) for k in self.keys], dim=1).detach()
         return flat, torch.isfinite(flat).all(dim=1).tolist()
 
-    def _flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([tensors[k].reshape(-1) for k in self.keys])
-
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A flat ``[P]`` row (the layout of ``updates`` and ``terms``) as the model's named tensors."""
-        out, offset = {}, 0
-        for key in self.keys:
-            shape = self.shapes[key]
-            size = int(np.prod(shape))
-            out[key] = flat[offset:offset + size].reshape(shape)
-            offset += size
-        return out
+        return unflatten(flat, self.shapes)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 :class:`VectorizedGrid` is the in-process Grid (the same ServerApp and
 SecureAggregator; discovery and any message go through the real ClientApp)
-that also offers ``train_cohort``: the strategy hands it the round's cohort
-and gets every client's result back from :class:`~fedhog.cohort.CohortTrainer`
+that also offers a :class:`~fedhog.replies.CohortRunner` of its own,
+:class:`VectorizedRunner`: the strategy hands it the round's cohort and gets
+every client's result back from :class:`~fedhog.engines.cohort.CohortTrainer`
 instead of one message per client. Flower's own strategy (the ``flower-dp``
 baseline) sends one train message per client: ``send_and_receive`` trains
 such a batch of messages at once and answers each as the ClientApp would.
@@ -22,20 +23,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from logging import WARNING
 
-from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
+import torch
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.serverapp import ServerApp
 
-from . import protocol
+from .. import protocol
 from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
-from .config import RunConfig
-from .data import dataset_info, population_training_data
-from .engine import InProcessGrid
-from .models import build_model, is_factory
-from .monitoring import measure_peak_memory
-from .strategy import ClientResult
-from .training import direction_seed, select_device
+from ..config import RunConfig
+from ..data import dataset_info, population_training_data
+from .inprocess import InProcessGrid
+from ..models import build_model, is_factory
+from ..monitoring import measure_peak_memory
+from ..protocol import ClientResult
+from ..replies import CohortReplies, TrainRequest
+from ..training import direction_seed, select_device
 
 
 def unbatchable_reason(config: RunConfig) -> str | None:
@@ -55,18 +58,13 @@ def unbatchable_reason(config: RunConfig) -> str | None:
 
 
 class VectorizedGrid(InProcessGrid):
-    """The in-process Grid plus ``train_cohort`` for batched rounds (see the module docstring)."""
+    """The in-process Grid whose ``cohort_runner`` trains a cohort as one batch (see the module docstring)."""
 
     def __init__(self, client_app: ClientApp, config: RunConfig) -> None:
         super().__init__(client_app, config.population, config.to_mapping())
         self.config = config
         self.partition_of_node = {node: int(c.node_config["partition-id"]) for node, c in self.contexts.items()}
-        x, y, self.client_indices = population_training_data(config.data_spec)
-        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
-        self.device = select_device(config.device)
-        self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
-        self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
-                    if config.mechanism == "hog" else None)
+        self.cohort_runner = VectorizedRunner(config, self.partition_of_node)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """The baseline's train messages (one model for every node) train as one batch; other messages one by one."""
@@ -76,10 +74,57 @@ class VectorizedGrid(InProcessGrid):
             return super().send_and_receive(messages, timeout=timeout)
         for message in messages:
             self._stamp(message)
-        return [self._transport(reply) for reply in self._train_for_flower([self._transport(m) for m in messages])]
+        replies = self.cohort_runner.train_for_flower([self._transport(m) for m in messages])
+        return [self._transport(reply) for reply in replies]
 
-    def _train_for_flower(self, messages: list[Message]) -> list[Message]:
-        from .flower_baseline import flower_dp_reply
+
+class VectorizedRunner:
+    """The vectorized engine's :class:`~fedhog.replies.CohortRunner`: a cohort's local work as one batch.
+
+    Parameters
+    ----------
+    config : RunConfig
+        The run (its data, model, local training and ``hog`` settings).
+    partition_of_node : mapping
+        Node id -> the partition its ClientApp holds.
+    """
+
+    def __init__(self, config: RunConfig, partition_of_node: Mapping[int, int]) -> None:
+        self.config = config
+        self.partition_of_node = partition_of_node
+        x, y, self.client_indices = population_training_data(config.data_spec)
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
+        self.device = select_device(config.device)
+        self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
+        self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
+                    if config.mechanism == "hog" else None)
+
+    def train(self, request: TrainRequest) -> CohortReplies:
+        """What every node of the cohort would reply to this round's train message, and the bytes it would send."""
+        config, cohort = self.config, request.cohort
+        nodes = list(cohort)
+        if not nodes:  # Poisson sampling can draw nobody: the round releases the noise alone
+            return CohortReplies()
+        partitions = [self.partition_of_node[node] for node in nodes]
+        seeds = [direction_seed(config.seed, request.server_round, p) for p in partitions]
+        with measure_peak_memory(self.device) as peak:
+            work = self.trainer.train(request.arrays.to_torch_state_dict(), partitions, seeds, config.local_epochs,
+                                      config.batch_size, config.learning_rate, config.momentum, self.hog)
+        results = []
+        for k, (node, partition) in enumerate(zip(nodes, partitions)):
+            metrics = protocol.train_metrics(partition, len(self.client_indices[partition]), work.mean_losses[k],
+                                             work.steps[k])
+            term = None
+            if self.hog is not None:
+                metrics.update(protocol.third_order_metrics(work.third_order_seconds / len(nodes), work.term_finite[k],
+                                                            peak.as_metrics()))
+                term = work.terms[k] if work.term_finite[k] else None
+            results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
+        return CohortReplies(results, bytes_received=sum(_nbytes(r.update) + _nbytes(r.term) for r in results))
+
+    def train_for_flower(self, messages: list[Message]) -> list[Message]:
+        """The ClientApp's replies to the ``flower-dp`` baseline's train messages (one model for all), as one batch."""
+        from ..flower_baseline import flower_dp_reply
 
         arrays = messages[0].content["arrays"]
         if any(m.content["arrays"] != arrays for m in messages):
@@ -94,29 +139,10 @@ class VectorizedGrid(InProcessGrid):
                                 self.config.server_learning_rate, work.mean_losses[k])
                 for k, message in enumerate(messages)]
 
-    def train_cohort(self, server_round: int, arrays: ArrayRecord, cohort: Mapping[int, int]) -> list[ClientResult]:
-        """What every node of ``cohort`` (node id -> slot) would reply to this round's train message."""
-        config = self.config
-        nodes = list(cohort)
-        if not nodes:  # Poisson sampling can draw nobody: the round releases the noise alone
-            return []
-        partitions = [self.partition_of_node[node] for node in nodes]
-        seeds = [direction_seed(config.seed, server_round, p) for p in partitions]
-        with measure_peak_memory(self.device) as peak:
-            work = self.trainer.train(arrays.to_torch_state_dict(), partitions, seeds, config.local_epochs,
-                                      config.batch_size, config.learning_rate, config.momentum, self.hog)
-        results = []
-        for k, (node, partition) in enumerate(zip(nodes, partitions)):
-            loss = work.mean_losses[k]
-            metrics = {protocol.PARTITION_ID: partition, protocol.NUM_EXAMPLES: len(self.client_indices[partition]),
-                       "train-loss": loss if loss == loss else -1.0, "local-steps": work.steps[k]}
-            term = None
-            if self.hog is not None:
-                metrics.update({"third-order-seconds": work.third_order_seconds / len(nodes),
-                                protocol.THIRD_ORDER_FINITE: int(work.term_finite[k]), **peak.as_metrics()})
-                term = work.terms[k] if work.term_finite[k] else None
-            results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
-        return results
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    """What a tensor weighs as a reply's array (0 for none)."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def run_vectorized(server_app: ServerApp, client_app: ClientApp, config: RunConfig) -> None:

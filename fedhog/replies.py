@@ -1,0 +1,171 @@
+"""How a round's cohort answers the strategy: typed client results, whichever engine computed them.
+
+Each trusted-server round the strategy hands a :class:`CohortRunner` a
+:class:`TrainRequest` (the model, the cohort) and gets back
+:class:`CohortReplies`: every sampled client's
+:class:`~fedhog.protocol.ClientResult` and the replies refused before they
+became one (each a :class:`~fedhog.protocol.BadReply`). :class:`MessageRunner`
+serves any Flower Grid: one train message per node, every reply read and
+checked by :class:`ReplyReader`. An engine that computes the cohort another
+way offers its own runner as its Grid's ``cohort_runner`` (the vectorized
+engine does); :func:`runner_for` takes it. Secure-aggregation rounds do not
+come here: their stages are messages through the Grid on every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from . import protocol
+from .layout import flatten_record
+from .monitoring import reply_nbytes
+from .protocol import BadReply, ClientResult, Rejection
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """One round's train instruction to its cohort."""
+
+    server_round: int
+    arrays: ArrayRecord  # the global model
+    config: ConfigRecord  # the train instruction's config (its SERVER_ROUND set)
+    cohort: Mapping[int, int]  # node id -> slot
+    wants_term: bool  # mechanism = "hog": each client also sends its third-order term
+    timeout: float
+
+
+@dataclass
+class CohortReplies:
+    """What the cohort delivered: results to validate, replies refused on arrival, bytes of the arrays received."""
+
+    results: list[ClientResult] = field(default_factory=list)
+    refused: list[tuple[str, BadReply]] = field(default_factory=list)  # sender ("node <id>"), why
+    bytes_received: int = 0
+
+
+class CohortRunner(Protocol):
+    """Whatever computes a round's client results for the strategy."""
+
+    def train(self, request: TrainRequest) -> CohortReplies:
+        """Every node of ``request.cohort``'s answer to this round's train instruction."""
+
+
+def train_messages(request: TrainRequest) -> list[Message]:
+    """One train message per node of the cohort: the global model and the config."""
+    record = RecordDict({"arrays": request.arrays, "config": request.config})
+    return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in request.cohort]
+
+
+class MessageRunner:
+    """The cohort's results through a Flower Grid: one train message per node, replies read by :class:`ReplyReader`."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def train(self, request: TrainRequest) -> CohortReplies:
+        """Send the train messages, wait for the replies (up to ``request.timeout``), read them."""
+        replies = self.grid.send_and_receive(train_messages(request), timeout=request.timeout)
+        return ReplyReader(request.arrays, request.cohort, request.wants_term).read(replies)
+
+
+def runner_for(grid: Grid) -> CohortRunner:
+    """The runner ``grid`` offers as its ``cohort_runner`` (the vectorized engine's), else a :class:`MessageRunner`."""
+    offered = getattr(grid, "cohort_runner", None)
+    return offered if offered is not None else MessageRunner(grid)
+
+
+class ReplyReader:
+    """Reads a round's train replies into client results, refusing what does not fit the round.
+
+    A reply must come from a sampled node, once, without error, with a
+    MetricRecord and an update (with ``wants_term`` also a third-order term)
+    keyed, shaped and typed exactly like the global model. A reply in
+    Flower's convention (weights under ``arrays``, no ``update``; see
+    :mod:`fedhog.protocol`) is read as the update weights − global model.
+    """
+
+    def __init__(self, arrays: ArrayRecord, cohort: Mapping[int, int], wants_term: bool) -> None:
+        self.arrays = arrays
+        self.cohort = cohort
+        self.wants_term = wants_term
+        self._global_flat: torch.Tensor | None = None
+
+    def read(self, replies: Iterable[Message]) -> CohortReplies:
+        """Every reply as a result or a refusal, and the bytes of the arrays of those without error."""
+        out = CohortReplies()
+        seen: set[int] = set()
+        for reply in replies:
+            if not reply.has_error():
+                out.bytes_received += reply_nbytes(reply.content)
+            try:
+                out.results.append(self.read_one(reply, seen))
+            except BadReply as error:
+                out.refused.append((f"node {reply.metadata.src_node_id}", error))
+        return out
+
+    def read_one(self, reply: Message, seen: set[int]) -> ClientResult:
+        """The arrays and metrics of one reply from a sampled node not in ``seen`` (added), or :class:`BadReply`."""
+        slot = self._check_sender(reply, seen)
+        content = reply.content
+        metrics = dict(_read_metrics(content))
+        weights = protocol.UPDATE not in content.array_records and protocol.WEIGHTS in content.array_records
+        if weights:  # clipped and noised as any update: the conversion is the reply's own, per client
+            update = read_like(content, protocol.WEIGHTS, self.arrays) - self.global_flat()
+        else:
+            update = read_like(content, protocol.UPDATE, self.arrays)
+        term = None
+        if self.wants_term and metrics.get(protocol.THIRD_ORDER_FINITE, 1) != 0:
+            if weights and protocol.TERM not in content.array_records:
+                raise BadReply(Rejection.MALFORMED, f"mechanism='hog' needs the third-order term '{protocol.TERM}', "
+                               "which a standard Flower ClientApp does not send (use mechanism='gaussian', or "
+                               "fedhog's ClientApp)")
+            term = read_like(content, protocol.TERM, self.arrays)
+        return ClientResult(slot, update, term, metrics)
+
+    def global_flat(self) -> torch.Tensor:
+        """The round's global model, flat (computed once, for the replies that send weights)."""
+        if self._global_flat is None:
+            self._global_flat = flatten_record(self.arrays)
+        return self._global_flat
+
+    def _check_sender(self, reply: Message, seen: set[int]) -> int:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
+        if node not in self.cohort:
+            raise BadReply(Rejection.NOT_SAMPLED, "the node was not in this round's cohort")
+        if node in seen:
+            raise BadReply(Rejection.DUPLICATE, "a second reply from the same node")
+        seen.add(node)
+        return self.cohort[node]
+
+
+def _read_metrics(content: RecordDict) -> MetricRecord:
+    """The reply's MetricRecord: ``metrics``, or the only one it holds, whatever its name."""
+    if protocol.METRICS in content.metric_records:
+        return content[protocol.METRICS]
+    if len(content.metric_records) == 1:
+        return next(iter(content.metric_records.values()))
+    raise BadReply(Rejection.MALFORMED, f"no MetricRecord '{protocol.METRICS}'")
+
+
+def read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Tensor:
+    """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
+    if key not in content.array_records:
+        raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{key}'")
+    record = content[key]
+    if list(record.keys()) != list(reference.keys()):
+        raise BadReply(Rejection.WRONG_KEYS, f"'{key}' has {list(record.keys())[:4]}...")
+    for name in reference.keys():
+        got, want = record[name], reference[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise BadReply(Rejection.WRONG_SHAPE, f"'{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if got.dtype != want.dtype:
+            raise BadReply(Rejection.WRONG_DTYPE, f"'{key}/{name}' is {got.dtype}, expected {want.dtype}")
+    return flatten_record(record)
