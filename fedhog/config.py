@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from .data import PARTITIONERS, TABULAR_FORMATS, DataSpec, validate_spec
 from .dpsgd import DPSGD_ACCOUNTANTS, DPSGD_NOISE, DpSgdSettings
-from .models import ACTIVATIONS, DEFAULT_ACTIVATION, MODELS, is_factory
+from .models import ACTIVATIONS, DEFAULT_ACTIVATION, DEFAULT_NORMALIZATION, MODELS, NORMALIZATIONS, is_factory
 from .privacy.accounting import ACCOUNTANTS
 from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std
 from .privacy.mechanism import MECHANISMS, MechanismSettings
@@ -70,6 +70,7 @@ class RunConfig:
     # model and local training
     model: str = "cnn1d"
     activation: str = DEFAULT_ACTIVATION  # of the built-in models' hidden layers (fedhog.models.ACTIVATIONS)
+    normalization: str = DEFAULT_NORMALIZATION  # of the same layers (fedhog.models.NORMALIZATIONS)
     local_epochs: int = 1
     batch_size: int = 16
     learning_rate: float = 0.05
@@ -264,6 +265,7 @@ class RunConfig:
                               "'package.module:factory', a callable factory(input_shape, num_classes) returning "
                               "a torch.nn.Module")
         _choice("activation", self.activation, tuple(ACTIVATIONS))
+        _choice("normalization", self.normalization, NORMALIZATIONS)
         for name in self.test_metrics:
             _check("metrics", self.metrics, name in TEST_METRICS,
                    f"comma-separated names among {', '.join(TEST_METRICS)} ({name!r} is not one)")

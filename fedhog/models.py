@@ -69,8 +69,8 @@ def _conv_len(length: int, kernel: int, stride: int, padding: int) -> int:
 def standardize(weight: torch.Tensor, eps: float = STANDARDIZATION_EPS) -> torch.Tensor:
     """Each output unit's weights (a row of ``weight``: all dimensions after the first) centred, then scaled to norm 1.
 
-    ``eps`` is added to each centred row's squared norm. Written from ``mean``, ``mul`` and ``rsqrt`` (no fused normalisation kernel), whose derivatives of every order
-    are right: the third-order term differentiates through it.
+    ``eps`` is added to each centred row's squared norm. Written from ``mean``, ``mul`` and ``rsqrt`` (no fused
+    normalisation kernel), whose derivatives of every order are right: the third-order term differentiates through it.
     """
     rows = weight.flatten(1)
     centred = rows - rows.mean(1, keepdim=True)
@@ -102,7 +102,7 @@ class StandardizedConv2d(nn.Conv2d):
 
 
 def group_count(width: int) -> int:
-    """GroupNorm's number of groups for ``width`` channels: the divisor of ``width`` nearest √width (25 → 5, 64 → 8)."""
+    """GroupNorm's number of groups for ``width`` channels: the divisor of ``width`` nearest √width (25 → 5)."""
     return min((d for d in range(1, width + 1) if width % d == 0), key=lambda d: (abs(d - math.sqrt(width)), d))
 
 

@@ -84,7 +84,7 @@ def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
     if config.server_step == "none":
         return None
     with torch.random.fork_rng():  # its weights are overwritten every round: leave the run's torch RNG as it was
-        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization)
     return ProxyStepLength(config.server_step_settings, model, load_proxy_set(config.data_spec),
                            list(model.state_dict()))
 
@@ -145,7 +145,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     input_shape, num_classes = dataset_info(config.data_spec)
     config.check_metrics(num_classes)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape, num_classes, config.activation)
+    model = build_model(config.model, input_shape, num_classes, config.activation, config.normalization)
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
