@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
-from .diagnostics import saturated_fractions, warnings_for, weight_diagnostics
+from .diagnostics import alarms, saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
@@ -172,11 +172,12 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
                                               config.server_learning_rate, linear_momentum),
                          **saturated_fractions(model, probe)}
         record.warnings = warnings_for(record.layers)
+        shown = alarms(record.layers)
         for warning in record.warnings:
             layer = warning.split(":")[0]
             if layer not in warned:  # once per layer and kind in the log; every round in metrics.json
                 warned.add(layer)
-                log(WARNING, "round %d: %s", record.round, warning)
+                log(WARNING if warning in shown else INFO, "round %d: %s", record.round, warning)
 
     try:
         if config.metrics_port >= 0:
