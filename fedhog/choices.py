@@ -19,6 +19,8 @@ TABULAR_FORMATS = ("csv", "parquet", "npz")
 MODELS = ("logreg", "mlp", "cnn1d", "cnn2d")
 ACTIVATIONS = ("tanh", "relu", "silu", "gelu", "softplus")
 DEFAULT_ACTIVATION = "gelu"
+NORMALIZATIONS = ("none", "group", "ws", "group-ws")  # of the built-in models' hidden layers (fedhog.models)
+DEFAULT_NORMALIZATION = "none"
 OPTIMIZERS = ("sgd", "hog-step")
 DEVICES = ("auto", "cpu", "cuda")
 # federation (fedhog.privacy.sampling, fedhog.server_optimizer, fedhog.server_step)

@@ -108,7 +108,7 @@ def _load(msg: Message, config: RunConfig,
     """The model at the global state, this client's training and validation data, the global state on the device."""
     device = select_device(config.device)
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
-    model = build_model(config.model, *dataset_info(config.data_spec), config.activation).to(device)
+    model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization).to(device)
     global_state = msg.content["arrays"].to_torch_state_dict()
     model.load_state_dict(global_state)
     return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}

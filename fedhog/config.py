@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .choices import (
-    ACCOUNTANTS, ACTIVATIONS, AGGREGATORS, BINARY_METRICS, CLIENT_DP, DEFAULT_ACTIVATION, DEVICES, DPSGD_ACCOUNTANTS,
-    DPSGD_NOISE, HOG_DIRECTIONS, HOG_TERMS, MAX_MODULUS_BITS, MECHANISMS, MIN_MODULUS_BITS, MODELS, NOISE,
-    OPTIMIZERS, PARTITIONERS, PRIVACY_LEVEL_KEYS, SAMPLING_METHODS, SECURE_AGGREGATION, SERVER_OPTIMIZERS,
+    ACCOUNTANTS, ACTIVATIONS, AGGREGATORS, BINARY_METRICS, CLIENT_DP, DEFAULT_ACTIVATION, DEFAULT_NORMALIZATION,
+    DEVICES, DPSGD_ACCOUNTANTS, DPSGD_NOISE, HOG_DIRECTIONS, HOG_TERMS, MAX_MODULUS_BITS, MECHANISMS,
+    MIN_MODULUS_BITS, MODELS, NOISE, NORMALIZATIONS, OPTIMIZERS, PARTITIONERS, PRIVACY_LEVEL_KEYS, SAMPLING_METHODS, SECURE_AGGREGATION, SERVER_OPTIMIZERS,
     SERVER_STEPS, TABULAR_FORMATS, TEST_METRICS, is_factory,
 )
 from .data import DataSpec, validate_spec
@@ -61,6 +61,7 @@ class RunConfig:
     # model and local training
     model: str = "cnn1d"
     activation: str = DEFAULT_ACTIVATION  # of the built-in models' hidden layers (fedhog.models.ACTIVATIONS)
+    normalization: str = DEFAULT_NORMALIZATION  # of the same layers (fedhog.models.NORMALIZATIONS)
     local_epochs: int = 1
     batch_size: int = 16
     learning_rate: float = 0.05
@@ -265,6 +266,7 @@ class RunConfig:
                               "'package.module:factory', a callable factory(input_shape, num_classes) returning "
                               "a torch.nn.Module")
         _choice("activation", self.activation, tuple(ACTIVATIONS))
+        _choice("normalization", self.normalization, NORMALIZATIONS)
         for name in self.test_metrics:
             _check("metrics", self.metrics, name in TEST_METRICS,
                    f"comma-separated names among {', '.join(TEST_METRICS)} ({name!r} is not one)")

@@ -28,6 +28,9 @@ MEANINGS: dict[str, str] = {
               'your own, called as factory(input_shape=…, num_classes=…)'),
     'activation': ("the built-in models' activation: gelu (default), silu, softplus, relu, or tanh (the models "
                    'before this key; the noise saturates it under DP)'),
+    'normalization': ("the built-in models' hidden layers: none (default), group (GroupNorm before each "
+                      'activation: per example, DP-SGD-safe, unlike BatchNorm), ws (weight-standardised: '
+                      "invariant to the weights' scale, which the DP noise inflates) or group-ws (both)"),
     'local-epochs': "local training: epochs over the client's data per round",
     'batch-size': 'local training: batch size',
     'learning-rate': "local training: the client's learning rate",

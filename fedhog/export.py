@@ -72,7 +72,7 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
     if not isinstance(state, dict):
         raise ExportError(f"{weights_path} holds a {type(state).__name__}, not a state dict")
     try:
-        model = build_model(config.model, input_shape, num_classes, config.activation)
+        model = build_model(config.model, input_shape, num_classes, config.activation, config.normalization)
     except ValueError as error:  # a user's factory that cannot be imported from here, or that failed
         raise ExportError(f"{config_path}: {error}; run fedhog export where the run was started, or put the "
                           "model's module on PYTHONPATH") from None

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .diagnostics import alarms
+
 console = Console(stderr=True, soft_wrap=True)  # messages stay one line each: the terminal wraps them
 STAGE_LOGGER = "fedhog.stage"  # what a run in this process is doing before its first round (data, discovery)
 
@@ -71,10 +73,11 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
 
 def round_status(record: dict) -> str:
     """``accuracy 0.912  AUPRC 0.433  ε 1.2`` for one round of ``metrics.json`` (AUROC/AUPRC when measured),
-    then the first of the round's :mod:`fedhog.diagnostics` warnings (noise dominating a layer, saturation)."""
+    then the first of the round's :func:`fedhog.diagnostics.alarms` (saturated layers; not the noise notes,
+    which healthy runs under DP have as well)."""
     ranking = "".join(f"  {name.upper()} {format_value(record[name])}" for name in ("auroc", "auprc")
                       if record.get(name) is not None)
-    warnings = record.get("warnings") or []
+    warnings = alarms(record.get("layers") or {})
     warning = f"  [yellow]⚠ {escape(warnings[0])}{f' (+{len(warnings) - 1} more)' if len(warnings) > 1 else ''}[/]" \
         if warnings else ""
     return f"accuracy {format_value(record.get('accuracy'))}{ranking}  ε {format_value(record.get('epsilon'))}{warning}"

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .checkpoint import Checkpoint, checkpointed_rounds, load_checkpoint, save_checkpoint
 from .config import RunConfig
-from .diagnostics import saturated_fractions, warnings_for, weight_diagnostics
+from .diagnostics import alarms, saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
@@ -86,7 +86,7 @@ def _proxy_step_length(config: RunConfig) -> ProxyStepLength | None:
     if config.server_step == "none":
         return None
     with torch.random.fork_rng():  # its weights are overwritten every round: leave the run's torch RNG as it was
-        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization)
     return ProxyStepLength(config.server_step_settings, model, load_proxy_set(config.data_spec),
                            list(model.state_dict()))
 
@@ -148,7 +148,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     input_shape, num_classes = dataset_info(config.data_spec)
     config.check_metrics(num_classes)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape, num_classes, config.activation)
+    model = build_model(config.model, input_shape, num_classes, config.activation, config.normalization)
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
@@ -175,11 +175,12 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
                                               config.server_learning_rate, linear_momentum),
                          **saturated_fractions(model, probe)}
         record.warnings = warnings_for(record.layers)
+        shown = alarms(record.layers)
         for warning in record.warnings:
             layer = warning.split(":")[0]
             if layer not in warned:  # once per layer and kind in the log; every round in metrics.json
                 warned.add(layer)
-                log(WARNING, "round %d: %s", record.round, warning)
+                log(WARNING if warning in shown else INFO, "round %d: %s", record.round, warning)
 
     try:
         if config.metrics_port >= 0:

@@ -62,8 +62,8 @@ def run_one(spec: dict) -> dict:
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
     from fedhog.engines.inprocess import run_in_process
-    from fedhog.server_app import app as server_app
     from fedhog.engines.vectorized import run_vectorized
+    from fedhog.server_app import app as server_app
 
     torch.set_num_threads(spec["threads"])
     config = RunConfig().with_overrides(spec["config"])
@@ -201,9 +201,9 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -
     """
     import torch
 
-    from fedhog.engines.cohort import CohortTrainer, HogSettings
     from fedhog.config import RunConfig
     from fedhog.data import dataset_info, population_training_data
+    from fedhog.engines.cohort import CohortTrainer, HogSettings
     from fedhog.models import ACTIVATIONS, build_model
     from fedhog.training import direction_seed
 

@@ -176,6 +176,7 @@ NON_DEFAULT = {
     "metrics": "auprc,accuracy", "num-samples": 1797, "partitioner": "pathological", "dirichlet-alpha": 0.3,
     "classes-per-client": 3, "validation-fraction": 0.0, "server-validation-fraction": 0.1, "proxy-fraction": 0.05,
     "server-step": "cubic", "server-step-max": 2.0, "population": 50, "model": "mlp", "activation": "silu",
+    "normalization": "group-ws",
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step",
     "device": "cpu", "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
     "round-timeout": 45.0, "max-update-norm": 1e3,
@@ -255,3 +256,9 @@ def test_an_unknown_activation_names_the_key_and_the_choices():
     with pytest.raises(ConfigError, match="activation='sine'") as info:
         RunConfig.from_mapping({"activation": "sine"})
     assert all(name in str(info.value) for name in ("tanh", "relu", "silu", "gelu", "softplus"))
+
+
+def test_an_unknown_normalization_names_the_key_the_value_and_the_choices():
+    with pytest.raises(ConfigError, match="normalization='batch'") as info:
+        RunConfig.from_mapping({"normalization": "batch"})
+    assert all(name in str(info.value) for name in ("none", "group", "ws", "group-ws"))

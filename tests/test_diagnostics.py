@@ -11,11 +11,18 @@ from torch import nn
 
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
-from fedhog.diagnostics import noise_walk_length, saturated_fractions, warnings_for, weight_diagnostics
+from fedhog.diagnostics import (
+    alarms,
+    noise_notes,
+    noise_walk_length,
+    saturated_fractions,
+    warnings_for,
+    weight_diagnostics,
+)
+from fedhog.engines.vectorized import run_vectorized
 from fedhog.progress import round_status
 from fedhog.server_app import app as server_app
 from fedhog.server_optimizer import ServerOptimizer, ServerOptimizerSettings
-from fedhog.engines.vectorized import run_vectorized
 
 
 @pytest.mark.parametrize("kind, momentum", [("sgd", 0.0), ("momentum", 0.9), ("momentum", 0.5)])
@@ -70,9 +77,23 @@ def test_warnings_name_the_layer_only_when_it_is_in_trouble():
                "growth/c.weight": 4.0, "walk/c.weight": 0.3}
     found = warnings_for(trouble)
     assert len(found) == 2
-    assert found[0].startswith("noise dominates a.weight") and "×3.0" in found[0]
-    assert found[1].startswith("b saturated: 40%")
-    assert "⚠ noise dominates a.weight" in round_status({"accuracy": 0.5, "epsilon": 1.0, "warnings": found})
+    assert found[0].startswith("b saturated: 40%") and found == alarms(trouble) + noise_notes(trouble)
+    assert found[1].startswith("noise dominates a.weight") and "×3.0" in found[1]
+
+
+def test_the_progress_line_warns_of_saturation_not_of_the_noise_every_layer_carries_under_dp():
+    """Measured at ε = 3 (cnn1d, convergence federation): healthy GELU runs end with a noise walk of 1.01–1.07
+    and weights grown 7.8–9.1×, the crippled tanh run with 1.58, 6.6× and half its units saturated."""
+    healthy = {"growth/features.2.weight": 9.1, "walk/features.2.weight": 1.07,
+               "growth/features.4.weight": 7.8, "walk/features.4.weight": 1.01}
+    assert alarms(healthy) == [] and len(noise_notes(healthy)) == 2  # recorded in metrics.json, not shown
+    line = round_status({"accuracy": 0.52, "epsilon": 3.0, "layers": healthy, "warnings": warnings_for(healthy)})
+    assert line == "accuracy 0.520  ε 3.000"
+    tanh = {"growth/features.2.weight": 6.6, "walk/features.2.weight": 1.58, "saturated/features.1": 0.2,
+            "saturated/features.3": 0.49, "saturated/features.5": 0.31}
+    line = round_status({"accuracy": 0.22, "epsilon": 3.0, "layers": tanh, "warnings": warnings_for(tanh)})
+    assert "⚠ features.3 saturated: 49% of its units" in line and "(+1 more)" in line and "noise" not in line
+    assert round_status({"accuracy": 0.5, "epsilon": 1.0}) == "accuracy 0.500  ε 1.000"  # a round without layers
 
 
 SMALL = {"dataset": "digits", "model": "mlp", "population": 10, "sampling-rate": 0.5, "rounds": 4,
@@ -94,7 +115,8 @@ def test_metrics_json_carries_the_diagnostics_every_round(tmp_path, fresh_cache)
         assert {"saturated/2", "saturated/4"} <= set(layers)
     last = rounds[-1]
     assert last["layers"]["walk/3.weight"] > 0.7 and last["layers"]["growth/3.weight"] > 2
-    assert any(w.startswith("noise dominates 3.weight") for w in last["warnings"])
+    assert any(w.startswith("noise dominates 3.weight") for w in last["warnings"])  # in metrics.json
+    assert "noise dominates" not in round_status(last)  # not on the progress line
 
     quiet = RunConfig().with_overrides({**SMALL, "mechanism": "none", "results-dir": str(tmp_path / "quiet")})
     run_vectorized(server_app, client_app, quiet)

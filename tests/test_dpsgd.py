@@ -38,9 +38,9 @@ def digits() -> ArrayData:
     return ArrayData(x[:100].astype(np.float64), y[:100])
 
 
-def _model(name: str = "mlp", seed: int = 0) -> torch.nn.Module:
+def _model(name: str = "mlp", seed: int = 0, normalization: str = "none") -> torch.nn.Module:
     torch.manual_seed(seed)
-    return build_model(name, (1, 8, 8), 10).double()
+    return build_model(name, (1, 8, 8), 10, normalization=normalization).double()
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -68,10 +68,12 @@ def assert_std(samples: np.ndarray, std: float) -> None:
     assert abs(float(np.mean(samples))) / (std / math.sqrt(n)) < scipy_stats.norm.isf(ALPHA / 2)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn2d"])
-def test_a_noiseless_step_moves_by_minus_lr_times_the_mean_clipped_per_example_gradient(digits, name):
+@pytest.mark.parametrize("name, normalization", [("mlp", "none"), ("cnn2d", "none"), ("mlp", "ws"),
+                                                 ("cnn2d", "group-ws")])
+def test_a_noiseless_step_moves_by_minus_lr_times_the_mean_clipped_per_example_gradient(digits, name, normalization):
+    """Also through GroupNorm and weight-standardised layers: Opacus's per-example gradients are vmap's."""
     data = ArrayData(digits.x[:40], digits.y[:40])
-    model = _model(name)
+    model = _model(name, normalization=normalization)
     start = _params(model)
     x, y = torch.as_tensor(data.x), torch.as_tensor(data.y)
 

@@ -17,8 +17,15 @@ from helpers import read_metrics, set_args, wait_for_checkpoint
 
 from fedhog import checkpoint as checkpoint_module
 from fedhog import cli, interrupts
-from fedhog.checkpoint import (CHECKPOINT, PREVIOUS, Checkpoint, CheckpointError, checkpointed_rounds, load_checkpoint,
-                               save_checkpoint)
+from fedhog.checkpoint import (
+    CHECKPOINT,
+    PREVIOUS,
+    Checkpoint,
+    CheckpointError,
+    checkpointed_rounds,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 SETTINGS = ["dataset=\"digits\"", "model=\"logreg\"", "population=10", "sampling-rate=0.5", "rounds=6",
             "partitioner=\"iid\"", "privacy-seed=3", "noise-multiplier=0.7", "clipping-norm=2.0"]

@@ -73,7 +73,8 @@ def test_checkpointed_rounds_read_the_log_then_the_checkpoints_own(tmp_path):
     old_style = Checkpoint(round=1, model={}, accountant={}, rounds=[{"round": 1}])  # every round inside
     assert checkpointed_rounds(writer.directory, old_style) == [{"round": 1}]
     (writer.directory / ROUND_LOG).write_text((writer.directory / ROUND_LOG).read_text().splitlines()[0])
-    with pytest.raises(CheckpointError, match="cannot resume round 4: .*rounds.jsonl holds 0 whole rounds, 2 expected"):
+    lost = r"cannot resume round 4: .*rounds\.jsonl holds 0 whole rounds, 2 expected"
+    with pytest.raises(CheckpointError, match=lost):
         checkpointed_rounds(writer.directory, checkpoint)
 
 

@@ -22,13 +22,13 @@ from fedhog import protocol
 from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import ConfigError, RunConfig
 from fedhog.engines.inprocess import InProcessGrid
+from fedhog.engines.vectorized import unbatchable_reason
 from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
 from fedhog.privacy.randomness import SeededBits
 from fedhog.secure_aggregation.client import ClientGuard, SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum, small_cohort_delta
 from fedhog.server_app import app as server_app
-from fedhog.engines.vectorized import unbatchable_reason
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
 DIMENSION = 3000

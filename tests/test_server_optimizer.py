@@ -99,8 +99,8 @@ def test_a_run_with_fedadam_resumes_to_the_never_stopped_model(tmp_path, fresh_c
 
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
-    from fedhog.server_app import app as server_app
     from fedhog.engines.vectorized import run_vectorized
+    from fedhog.server_app import app as server_app
 
     base = {"dataset": "digits", "model": "logreg", "population": 10, "sampling-rate": 0.5, "partitioner": "iid",
             "mechanism": "gaussian", "noise-multiplier": 0.5, "privacy-seed": 3, "server-optimizer": "adam",

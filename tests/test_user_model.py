@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fedhog
-from fedhog.engines import check_inputs
 from fedhog.config import ConfigError, load_config
 from fedhog.derivatives import third_order_vector
+from fedhog.engines import check_inputs
+from fedhog.engines.vectorized import unbatchable_reason
 from fedhog.export import export_model
 from fedhog.models import build_model
-from fedhog.engines.vectorized import unbatchable_reason
 
 MODULE = "fh_user_models"  # written into a temporary folder on sys.path by the fixture
 SOURCE = textwrap.dedent('''

@@ -166,6 +166,11 @@ def _conv_rule(conv: Callable[..., Tensor]) -> Callable[..., Any]:
     return rule
 
 
+def _rsqrt(u: tuple[Tensor, ...], n: int) -> tuple[Tensor, ...]:
+    """``1/√u`` (weight standardisation, hand-written normalisations)."""
+    return series.power(u, n, -0.5)
+
+
 _SMOOTH: dict[Any, Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]] = {
     torch.tanh: series.tanh,
     F.tanh: series.tanh,
@@ -182,6 +187,8 @@ _SMOOTH: dict[Any, Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]] = {
     "exp": series.exp,
     torch.log: series.log,
     "log": series.log,
+    torch.rsqrt: _rsqrt,
+    "rsqrt": _rsqrt,
 }
 
 _LINEAR_OPS = {  # linear in their jet arguments, other tensors multiply

@@ -102,7 +102,7 @@ def check_inputs(config: RunConfig) -> None:
         input_shape, num_classes = dataset_info(config.data_spec)
         config.check_metrics(num_classes)
         if is_factory(config.model):
-            build_model(config.model, input_shape, num_classes, config.activation)
+            build_model(config.model, input_shape, num_classes, config.activation, config.normalization)
     except ConfigError:
         raise
     except ValueError as error:

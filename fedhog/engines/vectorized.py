@@ -51,7 +51,7 @@ def unbatchable_reason(config: RunConfig) -> str | None:
         return (f"secure-aggregation={config.secure_aggregation!r} runs the protocol's stages with every client, "
                 "each masking its own contribution")
     if is_factory(config.model):  # a user's model: batchable when it is a pure function of parameters and inputs
-        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization)
         reason = unbatchable_model_reason(model)
         return None if reason is None else f"model={config.model!r}: {reason}"
     return None
@@ -93,7 +93,7 @@ class VectorizedRunner:
         self.config = config
         self.partition_of_node = partition_of_node
         x, y, self.client_indices = population_training_data(config.data_spec)
-        model = build_model(config.model, *dataset_info(config.data_spec), config.activation)
+        model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization)
         self.device = select_device(config.device)
         self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
         self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
