@@ -22,9 +22,10 @@ Which of these is an alarm: measured on the convergence federation (cnn1d at
 weights grown 7.8–9.1×, the crippled tanh runs with 1.58 and 6.6×: under DP the
 noise moves every layer, learning or not, so walk and growth do not separate
 the two; saturation does (tanh 30–79 % of its units, GELU none). So
-:func:`alarms` (saturation) are for the progress line and the log, and
-:func:`noise_notes` (the noise moving a layer more than its signal) are kept
-in ``metrics.json`` and the sweep report's noise-walk column.
+:func:`fedhog.alarms.alarms` (saturation) are for the progress line and the
+log, and :func:`fedhog.alarms.noise_notes` (the noise moving a layer more than
+its signal) are kept in ``metrics.json`` and the sweep report's noise-walk
+column.
 
 Privacy: everything here is a function of the released global models, of
 public configuration (η, β, the noise's standard deviation) and of the
@@ -42,9 +43,6 @@ from torch import nn
 
 # a saturating activation, and the |pre-activation| beyond which its derivative is below 7 % of its maximum
 SATURATION_THRESHOLDS: dict[type[nn.Module], float] = {nn.Tanh: 2.0, nn.Sigmoid: 4.0}
-NOISE_WALK_WARNING = 0.7  # ρ ≥ 0.7·‖W_T − W_0‖: about half the movement's energy or more is noise
-SATURATION_WARNING = 0.25  # a quarter of a layer's units saturated on the evaluation examples
-GROWTH_WARNING = 2.0  # weights grown to twice their initial norm
 
 
 def is_weight(name: str, tensor: torch.Tensor) -> bool:
@@ -114,31 +112,3 @@ def saturated_fractions(model: nn.Module, inputs: torch.Tensor) -> dict[str, flo
             for handle in hooks:
                 handle.remove()
     return counts
-
-
-def alarms(layers: Mapping[str, float]) -> list[str]:
-    """One sentence per layer whose units saturated: the failure mode the DP noise causes, worth interrupting a
-    user for (the progress line, the log)."""
-    return [f"{key.removeprefix('saturated/')} saturated: {fraction:.0%} of its units past the flat part of the "
-            "activation" for key, fraction in layers.items()
-            if key.startswith("saturated/") and fraction >= SATURATION_WARNING]
-
-
-def noise_notes(layers: Mapping[str, float]) -> list[str]:
-    """One sentence per layer whose weights the noise moved more than the signal did: normal under DP (healthy
-    runs too, module docstring), so recorded, not shown."""
-    found = []
-    for key, walk in layers.items():
-        if not key.startswith("walk/"):
-            continue
-        name = key.removeprefix("walk/")
-        growth = layers.get(f"growth/{name}", math.nan)
-        if walk >= NOISE_WALK_WARNING and growth >= GROWTH_WARNING:
-            found.append(f"noise dominates {name}: weights ×{growth:.1f} since initialisation, the noise's expected "
-                         f"random walk {walk:.2f}× their movement")
-    return found
-
-
-def warnings_for(layers: Mapping[str, float]) -> list[str]:
-    """Every sentence for ``metrics.json``: the :func:`alarms`, then the :func:`noise_notes`."""
-    return alarms(layers) + noise_notes(layers)

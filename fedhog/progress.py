@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .diagnostics import alarms
+from .alarms import alarms
 
 console = Console(stderr=True, soft_wrap=True)  # messages stay one line each: the terminal wraps them
 STAGE_LOGGER = "fedhog.stage"  # what a run in this process is doing before its first round (data, discovery)
@@ -73,7 +73,7 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
 
 def round_status(record: dict) -> str:
     """``accuracy 0.912  AUPRC 0.433  ε 1.2`` for one round of ``metrics.json`` (AUROC/AUPRC when measured),
-    then the first of the round's :func:`fedhog.diagnostics.alarms` (saturated layers; not the noise notes,
+    then the first of the round's :func:`fedhog.alarms.alarms` (saturated layers; not the noise notes,
     which healthy runs under DP have as well)."""
     ranking = "".join(f"  {name.upper()} {format_value(record[name])}" for name in ("auroc", "auprc")
                       if record.get(name) is not None)

@@ -18,21 +18,22 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from .alarms import alarms, warnings_for
 from .checkpoint import Checkpoint, checkpointed_rounds, load_checkpoint, save_checkpoint
 from .config import RunConfig
-from .diagnostics import alarms, saturated_fractions, warnings_for, weight_diagnostics
 from .data import dataset_info, load_proxy_set, load_server_validation_set, load_test_set
+from .diagnostics import saturated_fractions, weight_diagnostics
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
-from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
-from .server_step import ProxyStepLength
 from .protocol import JOB_ID, Rejection
 from .replies import runner_for
+from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
+from .server_step import ProxyStepLength
 from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
 from .training import evaluate_metrics
 

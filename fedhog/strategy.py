@@ -79,7 +79,7 @@ class RoundRecord:
     rejections: dict[str, int] = field(default_factory=dict)
     failure: str = ""  # what went wrong: no accepted contribution (noise alone released), or an unmasking failed
     layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
-    warnings: list[str] = field(default_factory=list)  # fedhog.diagnostics.warnings_for(layers)
+    warnings: list[str] = field(default_factory=list)  # fedhog.alarms.warnings_for(layers)
 
     def take_evaluation(self, metrics: Mapping[str, Any]) -> None:
         """The server's evaluation of the round's model: ``accuracy``, ``loss``; validation, AUROC and AUPRC

@@ -9,16 +9,10 @@ import torch
 from helpers import read_metrics
 from torch import nn
 
+from fedhog.alarms import alarms, noise_notes, warnings_for
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
-from fedhog.diagnostics import (
-    alarms,
-    noise_notes,
-    noise_walk_length,
-    saturated_fractions,
-    warnings_for,
-    weight_diagnostics,
-)
+from fedhog.diagnostics import noise_walk_length, saturated_fractions, weight_diagnostics
 from fedhog.engines.vectorized import run_vectorized
 from fedhog.progress import round_status
 from fedhog.server_app import app as server_app
