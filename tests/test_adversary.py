@@ -115,7 +115,9 @@ def test_no_key_reaches_any_file_of_the_results_folder(tmp_path, monkeypatch, ca
 def test_a_checkpoint_holds_the_model_the_accountant_and_diagnostics_only(tmp_path):
     _run(tmp_path, **{"adaptive-clipping": True, "count-noise-std": 2.0})
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
-    assert set(state) == {"round", "model", "accountant", "rounds", "adaptive_clipping", "job_id", "server_optimizer"}
+    assert set(state) == {"round", "model", "accountant", "rounds", "rounds_logged", "adaptive_clipping", "job_id",
+                          "server_optimizer"}
+    assert state["rounds_logged"] == state["round"] - 1 and len(state["rounds"]) == 1  # a count, and its own round
     assert set(state["adaptive_clipping"]) == {"clipping_norm", "steps"}
     assert state["server_optimizer"] == {"first_moment": None, "second_moment": None}  # sgd keeps no moments
     def tensors(value):  # every tensor anywhere in the checkpoint
