@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +46,18 @@ def wait_for_checkpoint(process: subprocess.Popen, results: Path, round_: int, *
             pass
         assert process.poll() is None, process.communicate()[0]
         time.sleep(poll)
+
+
+def call_at(model: torch.nn.Module, params: dict[str, torch.Tensor], f: Callable[..., Any], *args: Any,
+            **kwargs: Any) -> Any:
+    """``f(model, ...)`` with the model's parameters set to ``params`` (restored afterwards): finite differences."""
+    saved = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(params[k])
+    try:
+        return f(model, *args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(saved[k])

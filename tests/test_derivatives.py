@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from helpers import call_at
 from torch import nn
 from torch.func import functional_call
 
@@ -76,19 +77,6 @@ def _assert_close(a: dict, b: dict, rtol: float, atol: float) -> None:
 CASES = [(_mlp, "cross_entropy"), (_mlp, "mse"), (_cnn, "cross_entropy"), (_cnn, "mse")]
 
 
-def _call_at(model: nn.Module, params: dict, f, *args, **kwargs):
-    saved = {k: p.detach().clone() for k, p in model.named_parameters()}
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(params[k])
-    try:
-        return f(model, *args, **kwargs)
-    finally:
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.copy_(saved[k])
-
-
 @pytest.mark.parametrize("make,loss", CASES)
 @pytest.mark.parametrize("method", METHODS)
 def test_gradient_and_hvp_match_finite_differences(make, loss, method):
@@ -100,7 +88,7 @@ def test_gradient_and_hvp_match_finite_differences(make, loss, method):
     assert torch.allclose(sum((g.vector[k] * u[k]).sum() for k in u), fd_dir, rtol=1e-7, atol=1e-9)
 
     hv = hessian_vector_product(model, x, y, v, loss=loss, method=method)
-    fd = _fd(lambda p: _call_at(model, p, gradient, x, y, loss=loss).vector, model, v, 1e-5)
+    fd = _fd(lambda p: call_at(model, p, gradient, x, y, loss=loss).vector, model, v, 1e-5)
     _assert_close(hv.vector, fd, rtol=1e-6, atol=1e-8)
     assert hv.finite and hv.method == method
 
@@ -116,12 +104,12 @@ def test_third_order_vector_matches_finite_differences(make, loss, method):
     with torch.no_grad():
         assert abs(t.loss - float(_loss_at(model, x, y, loss, dict(model.named_parameters())))) < 1e-12
     # t = T[v, v, ·] is the derivative of H(θ) v along v (symmetry of the third-derivative tensor)
-    fd = _fd(lambda p: _call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector, model, v, 1e-5)
+    fd = _fd(lambda p: call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector, model, v, 1e-5)
     _assert_close(t.vector, fd, rtol=1e-6, atol=1e-8)
 
     # uᵀ t is the derivative of vᵀ H(θ) v along an unrelated u
     def vhv(p):
-        hv = _call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector
+        hv = call_at(model, p, hessian_vector_product, x, y, v, loss=loss).vector
         return sum((hv[k] * v[k]).sum() for k in v)
 
     ut = sum((t.vector[k] * u[k]).sum() for k in u)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import call_at
 from torch import nn
 from torch.func import functional_call
 
@@ -105,20 +106,6 @@ def test_each_examples_output_depends_on_that_example_alone(name, normalization)
     torch.testing.assert_close(model(changed)[0], model(x)[0], rtol=1e-10, atol=1e-12)
 
 
-def _at(model: nn.Module, params: dict[str, torch.Tensor], f, *args, **kwargs):
-    """``f(model, ...)`` with the model's parameters set to ``params`` (restored afterwards)."""
-    saved = {k: p.detach().clone() for k, p in model.named_parameters()}
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(params[k])
-    try:
-        return f(model, *args, **kwargs)
-    finally:
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.copy_(saved[k])
-
-
 CASES = [("mlp", "taylor"), ("mlp", "torch.func"), ("mlp", "autograd"), ("cnn1d", "torch.func"),
          ("cnn1d", "autograd"), ("cnn2d", "torch.func")]
 
@@ -138,8 +125,8 @@ def test_third_order_vector_matches_differences_of_the_hessian_vector_product(na
     assert t.finite and t.method == method
     h = 1e-5  # GroupNorm's higher derivatives are large: the O(h²) error needs a small step
     params = {k: p.detach() for k, p in model.named_parameters()}
-    plus = _at(model, {k: params[k] + h * v[k] for k in v}, hessian_vector_product, x, y, v, loss="cross_entropy")
-    minus = _at(model, {k: params[k] - h * v[k] for k in v}, hessian_vector_product, x, y, v, loss="cross_entropy")
+    plus = call_at(model, {k: params[k] + h * v[k] for k in v}, hessian_vector_product, x, y, v, loss="cross_entropy")
+    minus = call_at(model, {k: params[k] - h * v[k] for k in v}, hessian_vector_product, x, y, v, loss="cross_entropy")
     scale = max(float(t.vector[k].abs().max()) for k in v)
     assert scale > 1e-3  # the term carries something through the normalised layers
     for k in v:
