@@ -23,8 +23,14 @@ from .config import ConfigError, RunConfig, load_config, parse_override, toml_va
 from .deploy import DeployError, deploy_local
 from .engines import DEFAULT_ENGINE, ENGINES, Engine, check_run, claim_run, engine_named
 from .progress import console, format_value, read_metrics_file, watch_metrics
-from .results import (clear_stop_request, default_results_dir, describe_run, mark_interrupted, read_run_document,
-                      record_launch)
+from .results import (
+    clear_stop_request,
+    default_results_dir,
+    describe_run,
+    mark_interrupted,
+    read_run_document,
+    record_launch,
+)
 
 DESCRIPTION = "fedhog: federated learning with client-level differential privacy, on Flower and PyTorch."
 EPILOG = """examples:

@@ -13,16 +13,40 @@ import difflib
 import json
 import math
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .choices import (
-    ACCOUNTANTS, ACTIVATIONS, AGGREGATORS, BINARY_METRICS, CLIENT_DP, DEFAULT_ACTIVATION, DEFAULT_NORMALIZATION,
-    DEVICES, DPSGD_ACCOUNTANTS, DPSGD_NOISE, HOG_DIRECTIONS, HOG_TERMS, MAX_MODULUS_BITS, MECHANISMS,
-    MIN_MODULUS_BITS, MODELS, NOISE, NORMALIZATIONS, OPTIMIZERS, PARTITIONERS, PRIVACY_LEVEL_KEYS, SAMPLING_METHODS, SECURE_AGGREGATION, SERVER_OPTIMIZERS,
-    SERVER_STEPS, TABULAR_FORMATS, TEST_METRICS, is_factory,
+    ACCOUNTANTS,
+    ACTIVATIONS,
+    AGGREGATORS,
+    BINARY_METRICS,
+    CLIENT_DP,
+    DEFAULT_ACTIVATION,
+    DEFAULT_NORMALIZATION,
+    DEVICES,
+    DPSGD_ACCOUNTANTS,
+    DPSGD_NOISE,
+    HOG_DIRECTIONS,
+    HOG_TERMS,
+    MAX_MODULUS_BITS,
+    MECHANISMS,
+    MIN_MODULUS_BITS,
+    MODELS,
+    NOISE,
+    NORMALIZATIONS,
+    OPTIMIZERS,
+    PARTITIONERS,
+    PRIVACY_LEVEL_KEYS,
+    SAMPLING_METHODS,
+    SECURE_AGGREGATION,
+    SERVER_OPTIMIZERS,
+    SERVER_STEPS,
+    TABULAR_FORMATS,
+    TEST_METRICS,
+    is_factory,
 )
 from .data import DataSpec, validate_spec
 from .settings import DpSgdSettings
@@ -117,7 +141,7 @@ class RunConfig:
     metrics_port: int = -1
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
         """Build and validate a config from kebab-case keys (unknown keys are errors)."""
         known = {f.name.replace("_", "-"): f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -133,7 +157,7 @@ class RunConfig:
             raise ConfigError(str(error)) from None
         return config
 
-    def with_overrides(self, values: Mapping[str, Any]) -> "RunConfig":
+    def with_overrides(self, values: Mapping[str, Any]) -> RunConfig:
         """A validated copy with some keys replaced."""
         return RunConfig.from_mapping({**self.to_mapping(), **values})
 
@@ -367,7 +391,7 @@ class RunConfig:
         return (self.aggregator, self.target_epsilon, self.delta, self.rounds, self.sampling, self.sampling_rate,
                 self.population, self.accountant, self.expected_cohort)
 
-    def calibrated(self) -> "RunConfig":
+    def calibrated(self) -> RunConfig:
         """This config with σ calibrated to ``target-epsilon`` (itself when that is off).
 
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within

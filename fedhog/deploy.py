@@ -40,7 +40,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -48,8 +48,8 @@ from typing import IO
 import psutil
 
 from .app_bundle import write_app_bundle
-from .config import ConfigError, RunConfig
 from .choices import is_factory
+from .config import ConfigError, RunConfig
 from .progress import read_metrics_file, watch_metrics
 from .results import clear_stop_request, config_to_toml, default_results_dir, request_stop
 
@@ -108,7 +108,7 @@ def generate_tls_files(directory: Path, hosts: Sequence[str] = (HOST, "localhost
                  "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")
         return x509.KeyUsage(**{flag: allowed.get(flag, False) for flag in flags})
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_subject = name("fedhog throwaway CA")
     ca_cert = (
@@ -225,7 +225,7 @@ class LocalFederation:
         self.processes: dict[str, subprocess.Popen] = {}
         self._logs: list[IO[str]] = []
 
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> LocalFederation:
         try:
             self.start()
         except BaseException:

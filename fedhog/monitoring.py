@@ -354,7 +354,7 @@ class ServerMetrics:
         server.server_close()
         thread.join(timeout=5)
 
-    def __enter__(self) -> "ServerMetrics":
+    def __enter__(self) -> ServerMetrics:
         return self
 
     def __exit__(self, *exc: object) -> None:

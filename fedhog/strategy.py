@@ -6,8 +6,8 @@ trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +23,6 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
 from .layout import flatten_record, unflatten_like
-from .protocol import BadReply, ClientResult, Rejection
 from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.distributed_gaussian import DistributedGaussianAccountant
@@ -38,6 +37,7 @@ from .privacy.mechanism import (
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
+from .protocol import BadReply, ClientResult, Rejection
 from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings

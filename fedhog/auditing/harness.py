@@ -84,7 +84,7 @@ class CanarySet:
     term_signs: np.ndarray  # ±1 [count]
 
     @classmethod
-    def draw(cls, count: int, norm: float, rng: np.random.Generator) -> "CanarySet":
+    def draw(cls, count: int, norm: float, rng: np.random.Generator) -> CanarySet:
         """Each canary in with probability ½ (the audit's own randomness, not the mechanism's)."""
         return cls(rng.random(count) < 0.5, norm, np.where(rng.random(count) < 0.5, 1.0, -1.0))
 

@@ -20,16 +20,16 @@ from .step_size import STEP_REASONS, StepSize, cubic_step, third_order_step_size
 from .trusted import TrustedDerivatives
 
 __all__ = [
-    "HigherOrderResult",
     "STEP_REASONS",
+    "HigherOrderResult",
     "StepSize",
     "TrustedDerivatives",
     "Unsupported",
     "UntrustedOperation",
     "black_scholes_call",
     "call_greeks",
-    "cubic_step",
     "cross_entropy",
+    "cubic_step",
     "directional_derivatives",
     "eval_mode",
     "gradient",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn

@@ -7,7 +7,7 @@ error under forward-mode AD nested in reverse mode (torch 2.13), and
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

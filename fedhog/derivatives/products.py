@@ -12,7 +12,8 @@ the mixed input alive and shares one product between ``x̄₀`` and ``x̄₂``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

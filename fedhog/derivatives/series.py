@@ -11,7 +11,7 @@ elementwise products, each one fused ``addcmul`` kernel.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -144,7 +144,7 @@ def gelu(z: Series, n: int) -> Series:
         big_phi.append(_ode_term(z, phi, k))
         if k < n - 1:
             phi.append(-_ode_term(z, u, k))
-            u.append(combine([(1.0, z[i], phi[k - i]) for i in range(0, min(k, len(z) - 1) + 1)], z[0]))
+            u.append(combine([(1.0, z[i], phi[k - i]) for i in range(min(k, len(z) - 1) + 1)], z[0]))
     return mul(tuple(z), tuple(big_phi), n)
 
 

@@ -10,7 +10,6 @@ from torch import Tensor, nn
 from .engine import directional_derivatives, gradient
 from .losses import LossFn
 
-
 STEP_REASONS = (
     "cubic minimiser",
     "cubic minimiser clipped to max_step",

@@ -20,7 +20,8 @@ import builtins
 import inspect
 import operator
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -568,7 +569,7 @@ def _structure(model: nn.Module) -> tuple[tuple, list[Any]]:
     return signature, [obj for _, obj in modules[1:] + params + buffers]
 
 
-_PROGRAMS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, TaylorProgram | str, list[Any]]]" = (
+_PROGRAMS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, TaylorProgram | str, list[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 

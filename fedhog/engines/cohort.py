@@ -126,7 +126,7 @@ class CohortTrainer:
 
     # --- a round --------------------------------------------------------------------
     def train(self, global_state: dict[str, torch.Tensor], partitions: list[int], seeds: list[int], epochs: int,
-              batch_size: int, learning_rate: float, momentum: float, hog: "HogSettings | None" = None) -> CohortWork:
+              batch_size: int, learning_rate: float, momentum: float, hog: HogSettings | None = None) -> CohortWork:
         """Train every client of the cohort from ``global_state``; with ``hog``, also their third-order terms."""
         start = {k: v.to(self.device) for k, v in global_state.items()}
         cohort = len(partitions)
@@ -176,7 +176,7 @@ class CohortTrainer:
         return index_t, mask_t, mask_t.sum(dim=2) > 0
 
     def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, partitions: list[int],
-                   seeds: list[int], hog: "HogSettings") -> tuple[torch.Tensor, list[bool]]:
+                   seeds: list[int], hog: HogSettings) -> tuple[torch.Tensor, list[bool]]:
         """Each client's third-order term (or its random control), flat ``[K, P]``."""
         names = [name for name, _ in self.model.named_parameters()]
         like = {k: start[k] for k in names}

@@ -30,15 +30,15 @@ from flwr.common import log
 from flwr.serverapp import ServerApp
 
 from .. import protocol
-from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
 from ..config import RunConfig
 from ..data import dataset_info, population_training_data
-from .inprocess import InProcessGrid
 from ..models import build_model, is_factory
 from ..monitoring import measure_peak_memory
 from ..protocol import ClientResult
 from ..replies import CohortReplies, TrainRequest
 from ..training import direction_seed, select_device
+from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
+from .inprocess import InProcessGrid
 
 
 def unbatchable_reason(config: RunConfig) -> str | None:

@@ -53,12 +53,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .mechanism import LATTICE_BITS
-from .randomness import lattice_gaussian
-from .randomness import RandomBits
+from .randomness import RandomBits, lattice_gaussian
 
 # Andrew et al. use σ_b = K/20 in their experiments: the count then costs little
 # (σ_Δ ≈ σ unless σ approaches K/10) and b̃ has noise std 0.05.

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon

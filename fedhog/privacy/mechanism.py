@@ -54,10 +54,12 @@ integer sampler. The mixing term adds no privacy of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
+
 from .randomness import BULK_STDS, RandomBits, lattice_gaussian, sampler_log_ratio_bound
 
 MechanismKind = Literal["none", "gaussian", "hog"]
@@ -249,7 +251,7 @@ class NoiseLattice:
     rounding_steps: float = 0.5
 
     @classmethod
-    def for_settings(cls, settings: MechanismSettings, dimension: int) -> "NoiseLattice":
+    def for_settings(cls, settings: MechanismSettings, dimension: int) -> NoiseLattice:
         """g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): fine against the noise, coarse against float64 spacing."""
         scale = settings.clipping_norm * max(settings.noise_multiplier, 1.0)
         return cls(2.0 ** (math.floor(math.log2(scale)) - LATTICE_BITS), dimension)

@@ -206,7 +206,7 @@ class PldAccountant:
     def _key(self) -> Ledger:
         return tuple(self._ledger.items())
 
-    def _backend(self, ledger: Ledger) -> "_ComposedPld":
+    def _backend(self, ledger: Ledger) -> _ComposedPld:
         """The composed PLD of ``ledger``: one self-composition per distinct event."""
         if ledger in self._backends:
             return self._backends[ledger]

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 import secrets
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np

@@ -6,7 +6,8 @@ a cohort nobody can predict is what amplification by sampling assumes.
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from .randomness import RandomBits, uniform, uniform_below
 

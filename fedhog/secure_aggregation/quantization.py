@@ -55,7 +55,7 @@ class ModularLattice:
 
     @classmethod
     def for_cohort(cls, clipping_norm: float, cohort: int, modulus_bits: int,
-                   noise_std: Callable[[float], float] | None = None) -> "ModularLattice":
+                   noise_std: Callable[[float], float] | None = None) -> ModularLattice:
         """The finest power-of-two g for which n·(C/g + 1) + 10·σ(g) < M/2.
 
         ``noise_std(g)`` is the std σ of the noise a sum of n contributions

@@ -23,7 +23,6 @@ nothing is unmasked.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +38,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from .. import protocol
-from ..protocol import BadReply, Rejection
 from ..monitoring import reply_nbytes
+from ..protocol import BadReply, Rejection
 from .distributed_noise import DistributedNoise
 from .graph import share_count, threshold_count
 from .masking import mask

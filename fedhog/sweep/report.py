@@ -11,8 +11,7 @@ import numpy as np
 from ..progress import format_value
 from .audit import AuditRow
 from .spec import Sweep, format_grid_value, widening_trials
-from .stats import (PairedComparison, TrialScore, choice_stability, final_rows, group_rows, mean_std,
-                    setting_scores)
+from .stats import PairedComparison, TrialScore, choice_stability, final_rows, group_rows, mean_std, setting_scores
 
 
 def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: Sequence[PairedComparison],

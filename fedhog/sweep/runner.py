@@ -19,7 +19,7 @@ import torch
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import ConfigError, RunConfig, load_config
+from ..config import ConfigError, load_config
 from ..engines import run_engine
 from ..progress import console, read_metrics_file
 from .audit import collect_audits, is_audited, run_audits
@@ -245,7 +245,7 @@ class _SweepProgress:
         self.lock = threading.Lock()
         self.watcher = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> "_SweepProgress":
+    def __enter__(self) -> _SweepProgress:
         self.progress.start()
         self.watcher.start()
         return self

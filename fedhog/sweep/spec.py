@@ -156,7 +156,7 @@ class Sweep:
     choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] | None = None
     audit: AuditOptions | None = None
 
-    def tuned(self, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]]) -> "Sweep":
+    def tuned(self, choices: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]]) -> Sweep:
         """This sweep with every cell using the values chosen for its (variant, condition)."""
         cells = expand_cells(self.base, self.grid, self.variants, self.output, choices)
         return replace(self, cells=tuple(cells), choices=choices)

@@ -71,13 +71,13 @@ class Observation:
             raise ValueError(f"along {self.along.shape}, across {self.across.shape} and labels "
                              f"{len(self.labels)} do not describe the same T rounds of n canaries")
 
-    def columns(self, start: int, stop: int) -> "Observation":
+    def columns(self, start: int, stop: int) -> Observation:
         """The canaries ``start:stop``."""
         return Observation(self.along[:, start:stop], self.across[:, start:stop], self.signal,
                            self.labels[start:stop], self.inclusion_rate, self.relation)
 
     @staticmethod
-    def concatenate(observations: list["Observation"]) -> "Observation":
+    def concatenate(observations: list[Observation]) -> Observation:
         """Independent runs of the same mechanism as one observation of all their canaries."""
         first = observations[0]
         for other in observations[1:]:
