@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -416,7 +417,7 @@ def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federat
     v = rng.normal(rng.normal(0, beta, k)[:, None], 1, (k, dim))
     std = np.arange(1, dim + 1) ** -0.6  # sqrt of the covariance diagonal j^-1.2
     xs, ys, tests, clients, offset = [], [], [], [], 0
-    for u_k, v_k, n in zip(u, v, counts):
+    for u_k, v_k, n in zip(u, v, counts, strict=True):
         w = rng.normal(u_k, 1, (dim, num_classes))
         b = rng.normal(u_k, 1, num_classes)
         x = (v_k + std * rng.standard_normal((n, dim))).astype(np.float32)
@@ -574,13 +575,13 @@ def _tabular_federation(spec: DataSpec) -> _Federation:
         client_rows = []
         for client in range(len(names)):
             *held, rest = _held_out(rng.permutation(np.flatnonzero(groups == client)), spec)
-            for rows, part in zip(held_rows, held):
+            for rows, part in zip(held_rows, held, strict=True):
                 rows.append(part)
             client_rows.append(rest)
         pool = np.concatenate(client_rows)
         starts = np.cumsum([0] + [len(r) for r in client_rows])
         clients = tuple(_train_val_split(np.arange(a, b), spec.validation_fraction)
-                        for a, b in zip(starts[:-1], starts[1:]))
+                        for a, b in itertools.pairwise(starts))
         test, validation, proxy = (np.concatenate(rows) for rows in held_rows)
     else:
         test, validation, proxy, pool = _held_out(rng.permutation(len(y)), spec)

@@ -88,7 +88,7 @@ class ProxyStepLength:
 
     def _entries(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: part.reshape(shape).to(self.dtype)
-                for k, part, shape in zip(self.keys, flat.split(self.sizes), self.shapes)}
+                for k, part, shape in zip(self.keys, flat.split(self.sizes), self.shapes, strict=True)}
 
     def __call__(self, theta: torch.Tensor, step: torch.Tensor) -> StepSize:
         """The scale ``s`` for θ + s·step (flat vectors in ``keys`` order), with why it was chosen."""

@@ -305,7 +305,7 @@ class SecureAggregator(Strategy):
         record = self.current
         results = list(results)
         contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
-        for result, verdict in zip(results, self._validate(results)):
+        for result, verdict in zip(results, self._validate(results), strict=True):
             if isinstance(verdict, BadReply):
                 self._count_rejection(server_round, f"slot {result.slot}", verdict)
             else:
@@ -478,9 +478,9 @@ class SecureAggregator(Strategy):
         hog = self.mechanism.kind == "hog"
         with_terms = [r for r in results if hog and r.term is not None]
         term_norms, terms_finite = norms_of([r.term for r in with_terms])
-        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite)}
+        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
         verdicts: list[Contribution | BadReply] = []
-        for result, norm, finite in zip(results, update_norms, updates_finite):
+        for result, norm, finite in zip(results, update_norms, updates_finite, strict=True):
             try:
                 verdicts.append(self._accept(result, norm, finite, term_check.get(id(result))))
             except BadReply as error:

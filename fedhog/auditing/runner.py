@@ -243,7 +243,7 @@ def plot_scores(path: Path, result: AuditResult, observation: attacks.Observatio
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, len(result.threat_models), figsize=(5.5 * len(result.threat_models), 3.6))
-    for axis, (model, outcome) in zip(np.atleast_1d(axes), result.threat_models.items()):
+    for axis, (model, outcome) in zip(np.atleast_1d(axes), result.threat_models.items(), strict=True):
         scores = attacks.statistics(observation, model)[outcome.statistic]
         finite = scores[np.isfinite(scores)]
         edges = np.histogram_bin_edges(finite, bins=60) if len(finite) else 10

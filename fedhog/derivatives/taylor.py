@@ -359,7 +359,7 @@ def _bound(signature_of: Callable[..., Any], names: tuple[str, ...], args: tuple
     try:
         return dict(inspect.signature(signature_of).bind(*args, **kwargs).arguments)
     except (TypeError, ValueError):
-        out = dict(zip(names, args))
+        out = dict(zip(names, args, strict=False))
         out.update(kwargs)
         return out
 

@@ -122,7 +122,7 @@ def _by_signature(f: Callable[..., Tensor], positional: int, dropped: str) -> Ro
 def _by_names(f: Callable[..., Tensor], names: tuple[str, ...]) -> Router:
     """Call ``f`` with a ``torch.*`` op's positional arguments named ``names`` (its trailing cuDNN flag dropped)."""
     def route(args: tuple, kwargs: dict) -> Tensor:
-        a = dict(zip(names, args[:len(names)]))
+        a = dict(zip(names, args[:len(names)], strict=False))
         a.update({k: v for k, v in kwargs.items() if k in names})
         return f(**a)
     return route

@@ -103,7 +103,7 @@ class CohortTrainer:
         losses = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(mask)
         per_client = (losses * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
         gradients = torch.autograd.grad(per_client.sum(), list(leaves.values()))
-        return dict(zip(leaves, gradients)), per_client.detach()
+        return dict(zip(leaves, gradients, strict=True)), per_client.detach()
 
     def _client_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ class CohortTrainer:
                    batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Example indices ``[S, K, B]``, their mask and whether client k takes step s (``[S, K]``)."""
         plans = []
-        for partition, seed in zip(partitions, seeds):
+        for partition, seed in zip(partitions, seeds, strict=True):
             own = self.client_indices[partition]
             plans.append([own[batch] for epoch in local_batches(len(own), epochs, batch_size, seed) for batch in epoch])
         steps = max(len(plan) for plan in plans)
@@ -192,7 +192,7 @@ class CohortTrainer:
             directions.append(direction if direction is not None else random_direction(like, seed))
         stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
-                for p, s in zip(partitions, seeds)]
+                for p, s in zip(partitions, seeds, strict=True)]
         width = max(len(r) for r in rows)
         index = np.zeros((len(rows), width), dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.float32)

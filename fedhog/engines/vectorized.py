@@ -111,7 +111,7 @@ class VectorizedRunner:
             work = self.trainer.train(request.arrays.to_torch_state_dict(), partitions, seeds, config.local_epochs,
                                       config.batch_size, config.learning_rate, config.momentum, self.hog)
         results = []
-        for k, (node, partition) in enumerate(zip(nodes, partitions)):
+        for k, (node, partition) in enumerate(zip(nodes, partitions, strict=True)):
             metrics = protocol.train_metrics(partition, len(self.client_indices[partition]), work.mean_losses[k],
                                              work.steps[k])
             term = None

@@ -17,7 +17,7 @@ SamplingKind = Literal["poisson", "fixed"]
 def poisson_sample(population: Sequence[int], rate: float, bits: RandomBits) -> list[int]:
     """Include each member independently with probability ``rate`` (q)."""
     keep = uniform(bits, len(population)) < rate
-    return [member for member, kept in zip(population, keep) if kept]
+    return [member for member, kept in zip(population, keep, strict=True) if kept]
 
 
 def fixed_size_sample(population: Sequence[int], size: int, bits: RandomBits) -> list[int]:

@@ -25,7 +25,7 @@ def plot_accuracy_vs_round(rows: Sequence[dict[str, Any]], condition_keys: Seque
     figure = Figure(figsize=(4.5 * columns, 3.4 * lines), layout="constrained")
     figure.suptitle(f"test {metric}: mean over seeds, band ± std", fontsize=10)
     axes = figure.subplots(lines, columns, squeeze=False, sharey=True).ravel()
-    for axis, (values, group) in zip(axes, conditions.items()):
+    for axis, (values, group) in zip(axes, conditions.items(), strict=False):
         for variant, variant_rows in group_rows(group, ["variant"]).items():
             by_round = group_rows(variant_rows, ["round"])
             rounds = sorted(r for (r,) in by_round)

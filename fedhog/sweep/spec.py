@@ -215,7 +215,7 @@ class Sweep:
             keys = fixed.get(row["variant"], [])
             for values in itertools.product(*(self.grid[k] for k in keys)):
                 cell_id = "__".join([row["cell_id"], *key_values(keys, values)])
-                out.append({**row, **dict(zip(keys, values)), "cell_id": cell_id})
+                out.append({**row, **dict(zip(keys, values, strict=True)), "cell_id": cell_id})
         return out
 
     @property
@@ -295,7 +295,7 @@ def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Seq
         keys = {k: v for k, v in (variant or {}).items() if k != "name"}
         variant_grid = {k: v for k, v in grid.items() if k not in keys}
         for values in itertools.product(*variant_grid.values()):
-            grid_values = dict(zip(variant_grid, values))
+            grid_values = dict(zip(variant_grid, values, strict=True))
             mapping = {**base, **keys, **grid_values}
             name = variant["name"] if variant else str(mapping.get("mechanism", RunConfig.mechanism))
             chosen = (choices or {}).get((name, condition_of(grid_values)), {})
@@ -325,9 +325,9 @@ def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Se
         variant_conditions = {k: v for k, v in conditions.items() if k not in keys}
         tuned = tuning.grid_for(variant)
         for condition_values in itertools.product(*variant_conditions.values()):
-            condition = dict(zip(variant_conditions, condition_values))
+            condition = dict(zip(variant_conditions, condition_values, strict=True))
             for setting_values in itertools.product(*tuned.values()):
-                setting = dict(zip(tuned, setting_values))
+                setting = dict(zip(tuned, setting_values, strict=True))
                 trials += [trial_of(base, variant, condition, setting, seed, tuning, output) for seed in tuning.seeds]
     return trials
 
@@ -389,7 +389,7 @@ def widening_trials(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tu
                 continue
             widened[key].append(value)
         for values in itertools.product(*widened.values()):
-            setting = dict(zip(widened, values))
+            setting = dict(zip(widened, values, strict=True))
             if (name, condition, tuple(setting.items())) not in known:
                 trials += [trial_of(sweep.base, variant, dict(condition), setting, seed, tuning, sweep.output)
                            for seed in tuning.seeds]
@@ -599,7 +599,7 @@ def format_grid_value(value: Any) -> str:
 
 def key_values(keys: Sequence[str], values: Sequence[Any]) -> list[str]:
     """``key=value`` for each grid key and its value (``target-epsilon=3.0``)."""
-    return [f"{key}={format_grid_value(value)}" for key, value in zip(keys, values)]
+    return [f"{key}={format_grid_value(value)}" for key, value in zip(keys, values, strict=True)]
 
 
 def _slug(text: str) -> str:
