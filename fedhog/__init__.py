@@ -28,7 +28,8 @@ def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = Fal
 
 
 def audit(config: Any = None, **options: Any) -> AuditResult:
-    """An empirical lower bound on the ε of a config's mechanism, next to the accounted ε (see :func:`fedhog.auditing.runner.audit`)."""
+    """An empirical lower bound on the ε of a config's mechanism, next to the accounted ε
+    (see :func:`fedhog.auditing.runner.audit`)."""
     from .auditing.runner import audit as run_audit  # torch and Flower load when an audit starts
 
     return run_audit(config, **options)

@@ -445,7 +445,8 @@ def _report(directory: Path, failed: bool, error: object) -> int:
     table = Table(title="fedhog run summary", show_header=False)
     table.add_row("rounds", f"{summary['rounds_completed']} of {summary['rounds_planned']}"
                   + ("  (stopped: max-epsilon reached)" if summary["stopped_by_budget"] else ""))
-    table.add_row("test accuracy", f"{format_value(summary['initial_accuracy'])} → {format_value(summary['final_accuracy'])}")
+    table.add_row("test accuracy",
+                  f"{format_value(summary['initial_accuracy'])} → {format_value(summary['final_accuracy'])}")
     for name in ("auroc", "auprc"):
         if f"final_{name}" in summary:
             table.add_row(f"test {name.upper()}",

@@ -108,7 +108,8 @@ def _load(msg: Message, config: RunConfig,
     """The model at the global state, this client's training and validation data, the global state on the device."""
     device = select_device(config.device)
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
-    model = build_model(config.model, *dataset_info(config.data_spec), config.activation, config.normalization).to(device)
+    model = build_model(config.model, *dataset_info(config.data_spec), config.activation,
+                        config.normalization).to(device)
     global_state = msg.content["arrays"].to_torch_state_dict()
     model.load_state_dict(global_state)
     return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
@@ -175,12 +176,14 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
         keyed = term_keyed_like(work.term, work.update)
         terms = flatten(keyed, keys).detach().cpu()[None]
         xi = float(standard_normal(bits, 1)[0] if seed is None else
-                   standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing, config.population)[partition_id])
+                   standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing,
+                                   config.population)[partition_id])
     rows, _ = constrain_sensitivity(update[None], terms, torch.tensor([xi], dtype=torch.float64),
                                     config.mechanism_settings)
     lattice, noise = config.secure_plan(update.numel())
     if lattice.modulus_bits != modulus_bits:
-        raise ValueError(f"the server asks for residues mod 2^{modulus_bits}, the run config for 2^{lattice.modulus_bits}")
+        raise ValueError(f"the server asks for residues mod 2^{modulus_bits}, "
+                         f"the run config for 2^{lattice.modulus_bits}")
     levels = lattice.stochastic_round(rows[0], bits)
     if noise is not None:
         levels = levels + noise.sample(bits)

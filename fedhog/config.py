@@ -239,7 +239,7 @@ class RunConfig:
     @property
     def expected_cohort(self) -> int:
         """K = q·N."""
-        return int(round(self.sampling_rate * self.population))
+        return round(self.sampling_rate * self.population)
 
     @property
     def largest_cohort(self) -> int:
@@ -313,7 +313,7 @@ class RunConfig:
         for key in ("server-momentum", "server-beta2"):
             _check(key, self._get(key), 0 <= self._get(key) < 1, "a number in [0, 1)")
         try:
-            self.dpsgd_settings
+            self.dpsgd_settings  # noqa: B018 -- the property validates the DP-SGD keys
         except ValueError as error:  # "dpsgd: max_grad_norm=0.0 ..." names the field: name the config key
             field = str(error).removeprefix("dpsgd: ").split("=")[0]
             raise ConfigError(str(error).replace(f"dpsgd: {field}", "dpsgd-" + field.replace("_", "-"), 1)) from None
@@ -457,13 +457,15 @@ class RunConfig:
             raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs a cohort of ≥ 2: "
                               f"sampling-rate × population = {self.expected_cohort} (SecAgg+ cannot hide one client)")
         largest = self.largest_cohort
-        _check("secagg-modulus-bits", self.secagg_modulus_bits, (2 ** (self.secagg_modulus_bits - 1) - 1) // largest > 2,
+        _check("secagg-modulus-bits", self.secagg_modulus_bits,
+               (2 ** (self.secagg_modulus_bits - 1) - 1) // largest > 2,
                f"enough bits for a cohort of up to {largest} clients (≥ {math.ceil(math.log2(6 * largest))})")
         if self.noise == "distributed":
             self._validate_distributed_noise()
 
     def _validate_distributed_noise(self) -> None:
-        """Clients' noise needs a noise level and fixed-size cohorts (see :mod:`fedhog.privacy.distributed_gaussian`)."""
+        """Clients' noise needs a noise level and fixed-size cohorts
+        (see :mod:`fedhog.privacy.distributed_gaussian`)."""
         if self.noise_multiplier == 0 and self.target_epsilon == 0:
             raise ConfigError("noise=\"distributed\" needs noise-multiplier > 0 or a target-epsilon "
                               "(noise-multiplier=0.0: the clients would add no noise)")
@@ -475,7 +477,8 @@ class RunConfig:
 
     def _validate_adaptive_clipping(self) -> None:
         if self.mechanism == "none":
-            raise ConfigError("adaptive-clipping=true needs mechanism 'gaussian' or 'hog' (mechanism='none' does not clip)")
+            raise ConfigError("adaptive-clipping=true needs mechanism 'gaussian' or 'hog' "
+                              "(mechanism='none' does not clip)")
         _check("target-quantile", self.target_quantile, 0 < self.target_quantile < 1, "a number in (0, 1)")
         _check("clipping-learning-rate", self.clipping_learning_rate,
                math.isfinite(self.clipping_learning_rate) and self.clipping_learning_rate > 0, "a finite number > 0")
@@ -512,7 +515,8 @@ def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: M
     for source in (values, overrides):
         if source.get("target-epsilon", 0) and "noise-multiplier" in source:
             raise ConfigError(f"noise-multiplier={source['noise-multiplier']!r} and target-epsilon="
-                              f"{source['target-epsilon']!r} are both set: give σ, or the ε to calibrate σ for, not both")
+                              f"{source['target-epsilon']!r} are both set: give σ, "
+                              "or the ε to calibrate σ for, not both")
     replaced = {}  # the file's σ when an override asks to calibrate, the file's target when an override gives σ
     if overrides.get("target-epsilon", 0) and "noise-multiplier" in values:
         replaced["noise-multiplier"] = values["noise-multiplier"]

@@ -236,7 +236,8 @@ class LocalFederation:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         if survivors := self.stop():
-            warnings.warn(f"processes {survivors} of deployment {self.deploy_id} survived SIGKILL", RuntimeWarning)
+            warnings.warn(f"processes {survivors} of deployment {self.deploy_id} survived SIGKILL", RuntimeWarning,
+                          stacklevel=1)
 
     # --- start -----------------------------------------------------------------
     def start(self) -> None:
@@ -271,7 +272,7 @@ class LocalFederation:
 
     def _spawn(self, name: str, command: list[str], cwd: Path | None = None,
                log_path: Path | None = None) -> subprocess.Popen:
-        log = open(log_path or self.log_dir / f"{name}.log", "w")  # closed by stop()
+        log = open(log_path or self.log_dir / f"{name}.log", "w")  # noqa: SIM115 -- outlives the call: stop() closes it
         self._logs.append(log)
         # A session of its own: a terminal's Ctrl-C reaches only us, and we stop the group.
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -467,7 +468,8 @@ def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None 
                             timeout: float | None = None, startup_timeout: float = 180.0, *, tls: bool = False,
                             federation_config: str | None = None,
                             environment: Callable[[Path], dict[str, str]] | None = None) -> Path:
-    """Start a federation, run ``config`` on it with ``flwr run``, show its progress, stop it; return the results folder.
+    """Start a federation, run ``config`` on it with ``flwr run``, show its progress, stop it;
+    return the results folder.
 
     The driver of :func:`deploy_local` and of the Simulation Engine
     (:func:`fedhog.engines.simulation.simulate_local`): with ``federation_config``
@@ -526,7 +528,8 @@ def _request_stop_on_error(directory: Path):
     further round before any process is stopped. Its clients die first, and a round of dead clients must not be
     recorded (or checkpointed) as the run's own."""
 
-    def callback(kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None) -> None:
+    def callback(kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         if kind is not None:
             request_stop(directory)
 

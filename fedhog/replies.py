@@ -162,7 +162,7 @@ def read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Te
     record = content[key]
     if list(record.keys()) != list(reference.keys()):
         raise BadReply(Rejection.WRONG_KEYS, f"'{key}' has {list(record.keys())[:4]}...")
-    for name in reference.keys():
+    for name in reference:
         got, want = record[name], reference[name]
         if tuple(got.shape) != tuple(want.shape):
             raise BadReply(Rejection.WRONG_SHAPE, f"'{key}/{name}' is {tuple(got.shape)}, expected {tuple(want.shape)}")

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from flwr.app import ArrayRecord
 
 # What a run (and ``fedhog export``) writes into its folder: what ``--overwrite`` removes, nothing else.
-RUN_FILES = ("config.toml", "metrics.json", "rounds.jsonl", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt", "final_model.pt",
-             "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt", ".stop-requested")
+RUN_FILES = ("config.toml", "metrics.json", "rounds.jsonl", "metrics.prom", "checkpoint.pt", "checkpoint.prev.pt",
+             "final_model.pt", "flwr.log", "logs", "model.torchscript.pt", "model.state_dict.pt", ".stop-requested")
 STOP_REQUEST = ".stop-requested"  # written by a launcher that is about to stop the run's processes
 ROUND_LOG = "rounds.jsonl"  # one line a finished round, appended as it finishes: what --resume reads back
 FLUSH_SECONDS = 1.0  # metrics.json is rewritten at most this often while rounds go by (and at every status change)
@@ -112,10 +112,10 @@ def claim_results_dir(directory: Path, overwrite: bool = False) -> Path:
                               "give a new or empty folder")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.TemporaryFile(dir=directory)
+        with tempfile.TemporaryFile(dir=directory):  # a file can be created there
+            pass
     except OSError as error:
         raise ConfigError(f"{shown} cannot be written: {error.strerror or error}") from None
-    probe.close()
     return directory
 
 
@@ -143,7 +143,8 @@ def mark_interrupted(directory: Path) -> None:
 
 
 def client_error_summary(reason: str, limit: int = 300) -> str:
-    """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped, at most ``limit`` characters.
+    """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped,
+    at most ``limit`` characters.
 
     Flower reports ``<class 'X'>:<'message'>``; its Simulation Engine wraps the
     ClientApp's error (with Ray's traceback) as ``... ClientAppException occurred.

@@ -83,7 +83,8 @@ class ServerOptimizer:
         if s.kind == "sgd":
             return model + s.learning_rate * release
         if s.kind == "momentum":
-            self.first_moment = release.clone() if self.first_moment is None else s.momentum * self.first_moment + release
+            self.first_moment = (release.clone() if self.first_moment is None
+                                 else s.momentum * self.first_moment + release)
             return model + s.learning_rate * self.first_moment
         first = torch.zeros_like(release) if self.first_moment is None else self.first_moment
         second = torch.zeros_like(release) if self.second_moment is None else self.second_moment
@@ -91,7 +92,8 @@ class ServerOptimizer:
         squared = release**2
         if s.kind == "adam":
             self.second_moment = s.beta2 * second + (1 - s.beta2) * squared
-            rate = s.learning_rate * math.sqrt(1 - s.beta2 ** (server_round + 1.0)) / (1 - s.momentum ** (server_round + 1.0))
+            rate = (s.learning_rate * math.sqrt(1 - s.beta2 ** (server_round + 1.0))
+                    / (1 - s.momentum ** (server_round + 1.0)))
         else:  # yogi
             self.second_moment = second - (1 - s.beta2) * squared * torch.sign(second - squared)
             rate = s.learning_rate

@@ -84,7 +84,8 @@ class ProxyStepLength:
         self.parameters = {name for name, _ in model.named_parameters()}
 
     def __repr__(self) -> str:
-        return f"ProxyStepLength({self.settings.kind!r}, max_scale={self.settings.max_scale}, proxy={len(self.targets)})"
+        return (f"ProxyStepLength({self.settings.kind!r}, max_scale={self.settings.max_scale}, "
+                f"proxy={len(self.targets)})")
 
     def _entries(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: part.reshape(shape).to(self.dtype)

@@ -142,7 +142,7 @@ class SecureAggregator(Strategy):
         randomness: PrivacyRandomness,
         sampling: SamplingKind,
         sampling_rate: float,
-        server_optimizer: ServerOptimizerSettings = ServerOptimizerSettings(),
+        server_optimizer: ServerOptimizerSettings = ServerOptimizerSettings(),  # noqa: B008 -- frozen dataclass
         max_epsilon: float = math.inf,
         adaptive_clipping: AdaptiveClipping | None = None,
         max_update_norm: float = math.inf,
@@ -318,7 +318,8 @@ class SecureAggregator(Strategy):
         flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         xis = [0.0] * len(contributions)
-        if self.mechanism.kind == "hog":  # one ξ per slot of the population: a client's ξ does not depend on who else replied
+        # One ξ per slot of the population: a client's ξ does not depend on who else replied.
+        if self.mechanism.kind == "hog":
             per_slot = standard_normal(randomness.mixing, len(self.slot_of_node))
             xis = [float(per_slot[slot]) for slot, _, _ in contributions]
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)

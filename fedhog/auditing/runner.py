@@ -117,7 +117,8 @@ def prepare(config: str | Path | Mapping[str, Any] | RunConfig | None, overrides
 def audit(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, runs: int = DEFAULT_RUNS,
           canaries: int = 0, confidence: float = DEFAULT_CONFIDENCE, threat_model: str = "every-round",
           canary_norm: float = DEFAULT_CANARY_NORM, results_dir: str | Path | None = None,
-          harness_name: str = "vectorized", strategy_hook: harness.StrategyHook | None = None, **overrides: Any) -> AuditResult:
+          harness_name: str = "vectorized", strategy_hook: harness.StrategyHook | None = None,
+          **overrides: Any) -> AuditResult:
     """Audit a config's mechanism: an empirical lower bound on ε, next to the ε its accountant reports.
 
     Parameters

@@ -72,7 +72,7 @@ def log(z: Series, n: int) -> Series:
     inv = 1 / z[0]
     for k in range(1, n):
         terms = [(-j / k, y[j], z[k - j]) for j in range(1, k) if k - j < len(z)]
-        if k >= len(z):
+        if k >= len(z):  # noqa: SIM108 -- a nested conditional expression reads worse
             num = combine(terms, z[0])
         else:
             num = combine(terms, z[0]) + z[k] if terms else z[k]

@@ -618,7 +618,7 @@ def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tenso
             coeffs.append(c2.mean())
         return torch.stack(coeffs)
     shift = z[0].detach().amax(dim=-1, keepdim=True)
-    e = series.exp((z[0] - shift,) + z[1:], n)
+    e = series.exp((z[0] - shift, *z[1:]), n)
     lse = series.log(tuple(c.sum(-1) for c in e), n)
     coeffs = [(lse[k] - picked[k]).mean() if picked[k] is not None else lse[k].mean() for k in range(n)]
     coeffs[0] = coeffs[0] + shift.mean()
@@ -628,7 +628,7 @@ def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tenso
 def mse_series(outputs: Jet | Tensor, targets: Tensor, n: int) -> Tensor:
     """Coefficients ``[n]`` of the mean squared error along ``s``."""
     r = _series(outputs)
-    sq = series.square((r[0] - targets,) + r[1:], n)
+    sq = series.square((r[0] - targets, *r[1:]), n)
     coeffs = [c.mean() for c in sq] + [torch.zeros_like(sq[0].mean())] * (n - len(sq))
     return torch.stack(coeffs)
 

@@ -82,7 +82,7 @@ def batch_norm(
     """
     shape = channel_shape(input)
     if training or running_mean is None or running_var is None:
-        y = normalize(input, [0] + list(range(2, input.dim())), eps)
+        y = normalize(input, [0, *range(2, input.dim())], eps)
     else:
         y = (input - running_mean.reshape(shape)) * torch.rsqrt(running_var.reshape(shape) + eps)
     return _affine(y, weight, bias, shape)

@@ -128,7 +128,8 @@ class VectorizedRunner:
 
         arrays = messages[0].content["arrays"]
         if any(m.content["arrays"] != arrays for m in messages):
-            raise ValueError("flower-dp: the strategy sent different models in one round; they cannot train as one batch")
+            raise ValueError("flower-dp: the strategy sent different models in one round; "
+                             "they cannot train as one batch")
         server_round = int(messages[0].content["config"][protocol.SERVER_ROUND])
         partitions = [self.partition_of_node[m.metadata.dst_node_id] for m in messages]
         seeds = [direction_seed(self.config.seed, server_round, p) for p in partitions]

@@ -219,7 +219,8 @@ def constrain_sensitivity(
         coefficients = settings.mixing_strength * xis.to(torch.float64)
         mixed = (term_norms > 0) & (update_norms > 0) & (coefficients != 0)
         ratios = torch.where(mixed, coefficients.abs(), torch.zeros_like(coefficients))
-        direction = direction + torch.where(mixed, coefficients, torch.zeros_like(coefficients))[:, None] * term_direction
+        mixing = torch.where(mixed, coefficients, torch.zeros_like(coefficients))
+        direction = direction + mixing[:, None] * term_direction
     relative = torch.where(mixed, _row_norms(direction), torch.ones_like(update_norms))  # ‖u‖ / ‖Δ‖
     norms_before = update_norms * relative
     inside = norms_before <= bound

@@ -163,7 +163,8 @@ def client_bits(seed: int | None, server_round: int, partition_id: int, stream: 
     """
     if seed is None:
         return SecureBits()
-    return SeededBits(seed, (server_round, len(PrivacyRandomness.STREAMS), partition_id) + ((stream,) if stream else ()))
+    return SeededBits(seed, (server_round, len(PrivacyRandomness.STREAMS), partition_id)
+                      + ((stream,) if stream else ()))
 
 
 def uniform(bits: RandomBits, count: int) -> np.ndarray:

@@ -40,4 +40,4 @@ def sample_cohort(population: Sequence[int], method: SamplingKind, rate: float, 
 
 def expected_cohort_size(population_size: int, rate: float) -> int:
     """K = q·N, which the config guarantees to be a whole number."""
-    return int(round(rate * population_size))
+    return round(rate * population_size)

@@ -132,7 +132,8 @@ def _choices_of(grid: dict[str, list[Any]]) -> str:
     return ", ".join(f"{key} ∈ {{{', '.join(format_grid_value(v) for v in values)}}}" for key, values in grid.items())
 
 
-def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore], choices: dict[tuple[str, tuple], dict[str, Any]]) -> str:
+def tuning_markdown(sweep: Sweep, scores: Sequence[TrialScore],
+                    choices: dict[tuple[str, tuple], dict[str, Any]]) -> str:
     """``tuning.md``: every tuned setting's validation score per (variant, condition), the chosen one marked."""
     lines = [f"# Tuning of sweep `{sweep.path.name}`", "", _tuning_sentence(sweep), "",
              *_header(["variant", "condition", "setting", "seeds", "validation accuracy", "chosen"])]

@@ -439,7 +439,7 @@ def _tuning(raw: Any, base: dict[str, Any], grid: dict[str, list[Any]],
             raise SweepError(f"[tune]: {unknown_key_message(key, TUNE_KEYS, 'key')}")
     names = [v["name"] for v in variants]
     per_variant = _table(raw, "variants")
-    for name, table in per_variant.items():
+    for name in per_variant:
         if name not in names:
             raise SweepError(f"[tune.variants.{name}]: no variant '{name}'; variants: {', '.join(names) or 'none'}")
     tuned_grid = _tune_grid("[tune.grid]", _table(raw, "grid"), base, grid)

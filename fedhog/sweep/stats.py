@@ -80,7 +80,8 @@ def paired_comparisons(rows: Sequence[dict[str, Any]], pairs: Sequence[tuple[str
     comparisons = []
     for baseline, variant in pairs:
         for condition in conditions:
-            a, b = (_metric_by_replicate(finals, name, condition, replicate_keys, metric) for name in (baseline, variant))
+            a, b = (_metric_by_replicate(finals, name, condition, replicate_keys, metric)
+                    for name in (baseline, variant))
             replicates = tuple(sorted(set(a) & set(b)))
             first, second = np.array([a[r] for r in replicates]), np.array([b[r] for r in replicates])
             differences = np.round(second - first, DIFFERENCE_DECIMALS) + 0.0  # + 0.0: no -0.0

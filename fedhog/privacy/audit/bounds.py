@@ -36,7 +36,8 @@ from scipy.special import ndtr, ndtri
 from scipy.stats import beta
 
 MAX_THRESHOLDS = 4000  # candidate thresholds tried per statistic and direction
-MIN_CALIBRATION_HITS = 30  # a threshold fewer calibration trials pass is too noisy to choose (10 left a heavy lower tail)
+# A threshold fewer calibration trials pass is too noisy to choose (10 left a heavy lower tail).
+MIN_CALIBRATION_HITS = 30
 
 
 def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
