@@ -558,4 +558,5 @@ def _last_error(log_path: Path) -> str | None:
         return None
     errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", line)]
     text = [line for line in lines if re.search(r"\w", line)]
-    return (errors or text or [None])[-1]
+    found = errors or text
+    return found[-1] if found else None

@@ -276,7 +276,9 @@ def _check_noise_tail(settings: DpSgdSettings, noise_values: list, steps: int) -
     """Refuse a σ for which the noise sampler's slack would add more than 1 % of δ over ``steps`` releases."""
     if settings.noise_multiplier == 0:
         return
-    tail = sampler_slack(settings.noise_multiplier, *noise_values, steps, CHECKED_EPSILON, settings.delta).delta
+    std_steps, dimension = noise_values
+    tail = sampler_slack(settings.noise_multiplier, std_steps, dimension, steps, CHECKED_EPSILON,
+                         settings.delta).delta
     if tail > MAX_TAIL_DELTA_SHARE * settings.delta:
         raise _reject("noise_multiplier", settings.noise_multiplier,
                       f"a σ large enough for the analysis of fedhog's noise sampler (values within 20 standard "
@@ -319,7 +321,9 @@ def _privacy(accountant, settings: DpSgdSettings, noise_values: list | None) -> 
         with np.errstate(divide="ignore"):  # PRV at q = 1 takes log(1 - q); its ε is still right
             epsilon = float(accountant.get_epsilon(delta=settings.delta))
     if noise_values is not None and math.isfinite(epsilon) and steps:
-        epsilon += sampler_slack(settings.noise_multiplier, *noise_values, steps, epsilon, settings.delta).epsilon
+        std_steps, dimension = noise_values
+        epsilon += sampler_slack(settings.noise_multiplier, std_steps, dimension, steps, epsilon,
+                                 settings.delta).epsilon
     state = {"mechanism": accountant.mechanism(), "history": [list(h) for h in history]}
     if noise_values is not None:
         state["noise_values"] = [float(noise_values[0]), int(noise_values[1])]  # public: σ/g and the model size

@@ -195,7 +195,7 @@ def load_factory(name: str) -> Callable[..., nn.Module]:
         factory = getattr(factory, part)
     if not callable(factory):
         raise ValueError(f"model: model={name!r} is a {type(factory).__name__}, not a callable factory")
-    return factory  # type: ignore[return-value]
+    return factory
 
 
 def _build_user_model(name: str, shape: tuple[int, ...], num_classes: int) -> nn.Module:

@@ -338,7 +338,7 @@ class ServerMetrics:
         if self._server is not None:
             raise RuntimeError(f"the metrics server already listens on port {self.port}")
         self._server, self._thread = _start_http_server(port, addr=addr, registry=self.registry)
-        return self.port
+        return int(self._server.server_port)
 
     @property
     def port(self) -> int | None:

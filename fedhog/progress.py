@@ -65,7 +65,7 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
                 last = document["rounds"][-1]
                 progress.update(task, completed=last.get("round", 0), status=round_status(last))
             elif stage.text or (document or {}).get("stage"):  # this process's, or the ServerApp's (metrics.json)
-                progress.update(task, status=escape(stage.text or document["stage"]))
+                progress.update(task, status=escape(stage.text or (document or {})["stage"]))
             if not alive:
                 break
             time.sleep(0.5)

@@ -99,7 +99,7 @@ class ProxyStepLength:
         direction = {k: v for k, v in self._entries(step).items() if k in self.parameters}
         order = 3 if self.settings.kind == "cubic" else 2
         result = directional_derivatives(self.model, self.inputs, self.targets, direction, order=order)
-        derivatives = [float(v) for v in result.values][1:]  # type: ignore[union-attr]
+        derivatives = [float(v) for v in result.values][1:]
         d1, d2 = derivatives[0], derivatives[1]
         d3 = derivatives[2] if order == 3 else 0.0
         if not result.finite:

@@ -158,14 +158,14 @@ def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torc
 
 def unit_direction(vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """``vector`` scaled to unit L2 norm, or None if it is zero or not finite."""
-    norm = torch.sqrt(sum((v.double() ** 2).sum() for v in vector.values()))
+    norm = torch.sqrt(sum(((v.double() ** 2).sum() for v in vector.values()), torch.zeros((), dtype=torch.float64)))
     if not torch.isfinite(norm) or norm == 0:
         return None
     return _normalised(vector, vector)
 
 
 def _normalised(raw: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    norm = torch.sqrt(sum((v.double() ** 2).sum() for v in raw.values()))
+    norm = torch.sqrt(sum(((v.double() ** 2).sum() for v in raw.values()), torch.zeros((), dtype=torch.float64)))
     return {k: (raw[k].double() / norm).to(like[k].dtype).to(like[k].device) for k in like}
 
 

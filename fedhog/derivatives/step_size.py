@@ -129,9 +129,9 @@ def third_order_step_size(
     g = gradient(model, inputs, targets, loss=loss, method=method)
     if not g.finite:
         return StepSize(min(fallback_step, max_step), "non-finite gradient: fallback_step")
-    direction = {k: -t for k, t in g.vector.items()}  # type: ignore[union-attr]
+    direction = {k: -t for k, t in g.vector.items()}
     phi = directional_derivatives(model, inputs, targets, direction, order=3, loss=loss, method=method)
     if not phi.finite:
         return StepSize(min(fallback_step, max_step), "non-finite derivatives: fallback_step")
-    _, d1, d2, d3 = (float(x) for x in phi.values)  # type: ignore[union-attr]
+    _, d1, d2, d3 = (float(x) for x in phi.values)
     return cubic_step(d1, d2, d3, max_step=max_step, fallback_step=fallback_step)

@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .mechanism import LATTICE_BITS
 from .randomness import RandomBits, lattice_gaussian
@@ -228,7 +229,7 @@ class AdaptiveClipping:
         """C for the next round and the number of steps taken (plain Python, for checkpoints)."""
         return {"clipping_norm": self.clipping_norm, "steps": self.steps}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         norm, steps = float(state["clipping_norm"]), int(state["steps"])
         _require_positive_finite("state['clipping_norm']", norm)

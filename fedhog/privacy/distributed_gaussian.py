@@ -33,7 +33,9 @@ their mean, which Proposition 14 does not bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
@@ -184,6 +186,6 @@ class DistributedGaussianAccountant:
         """Serializable state (for checkpoints)."""
         return {"releases": self.releases}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.releases = int(state["releases"])

@@ -211,15 +211,16 @@ class PldAccountant:
         if ledger in self._backends:
             return self._backends[ledger]
         relation = self._config.neighboring_relation.name
-        composed: PrivacyLossDistribution | None = pld_lib.identity(value_discretization_interval=self._interval)
+        composed: PrivacyLossDistribution = pld_lib.identity(value_discretization_interval=self._interval)
+        private = True
         for event, count in ledger:
             release = _release_pld(event, self._config.sampling_method, count, relation, self._interval)
             if release is _NOT_DP:
-                composed = None
+                private = False
                 break
             if release is not None:
                 composed = composed.compose(release)
-        backend = _ComposedPld(composed)
+        backend = _ComposedPld(composed if private else None)
         if len(self._backends) >= _CACHED_BACKENDS:
             del self._backends[next(iter(self._backends))]
         self._backends[ledger] = backend

@@ -81,7 +81,7 @@ class SecureBits:
             self._rekey()
         self._blocks_left -= blocks
         words = np.zeros(count, dtype="<u8")  # encrypted in place: the keystream itself
-        buffer = memoryview(words).cast("B")
+        buffer = words.data.cast("B")
         self._encryptor.update_into(buffer, buffer)
         return words.astype(np.uint64, copy=False)
 

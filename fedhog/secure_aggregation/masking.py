@@ -26,6 +26,6 @@ def mask(key: bytes, count: int, modulus_bits: int) -> np.ndarray:
     if len(raw) != 32:
         raise ValueError(f"a mask key must hold 32 bytes, got {len(raw)}")
     words = np.zeros(count, dtype="<u8")
-    buffer = memoryview(words).cast("B")
+    buffer = words.data.cast("B")
     Cipher(algorithms.ChaCha20(raw, _NONCE), mode=None).encryptor().update_into(buffer, buffer)
     return words.astype(np.uint64, copy=False) & np.uint64((1 << modulus_bits) - 1)

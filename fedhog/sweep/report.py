@@ -64,8 +64,9 @@ def summary_markdown(sweep: Sweep, rows: Sequence[dict[str, Any]], comparisons: 
                   "choice is (seeds agreeing, margin, grid edges): `tuning.md`.", "",
                   *_header(["variant", *keys, "chosen"])]
         for (variant, condition), chosen in sweep.choices.items():
-            values = dict(condition)
-            lines.append(_row([variant, *(format_grid_value(values[k]) if k in values else "–" for k in keys),
+            condition_values = dict(condition)
+            lines.append(_row([variant, *(format_grid_value(condition_values[k]) if k in condition_values else "–"
+                                          for k in keys),
                                ", ".join(f"{k} = {format_grid_value(v)}" for k, v in chosen.items())]))
     if sweep.audit is not None:
         lines += _audit_section(sweep, audits)

@@ -291,7 +291,8 @@ def expand_cells(base: dict[str, Any], grid: dict[str, list[Any]], variants: Seq
     """
     cells: list[Cell] = []
     seen: dict[str, Cell] = {}
-    for variant in variants or [None]:
+    named: list[dict[str, Any] | None] = [*variants] or [None]  # no variants: one unnamed
+    for variant in named:
         keys = {k: v for k, v in (variant or {}).items() if k != "name"}
         variant_grid = {k: v for k, v in grid.items() if k not in keys}
         for values in itertools.product(*variant_grid.values()):
@@ -320,7 +321,8 @@ def expand_trials(base: dict[str, Any], grid: dict[str, list[Any]], variants: Se
     """Every variant × condition × combination of its tuned values × tuning seed, in ``output/tuning``."""
     conditions = {k: v for k, v in grid.items() if k not in REPLICATE_KEYS}
     trials: list[Trial] = []
-    for variant in variants or [None]:
+    named: list[dict[str, Any] | None] = [*variants] or [None]  # no variants: one unnamed
+    for variant in named:
         keys = {k: v for k, v in (variant or {}).items() if k != "name"}
         variant_conditions = {k: v for k, v in conditions.items() if k not in keys}
         tuned = tuning.grid_for(variant)
