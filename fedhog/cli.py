@@ -469,7 +469,7 @@ def _report(directory: Path, failed: bool, error: object) -> int:
 
 
 def _print_privacy_banner(config: RunConfig) -> None:
-    if not config.mechanism_settings.has_guarantee:
+    if not config.privacy_mechanism.has_guarantee:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
     if config.privacy_seed >= 0:

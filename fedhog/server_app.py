@@ -26,7 +26,6 @@ from .diagnostics import saturated_fractions, weight_diagnostics
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
-from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .protocol import JOB_ID, Rejection
@@ -51,28 +50,19 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def build_strategy(config: RunConfig, dimension: int = 0) -> SecureAggregator:
-    """The aggregator, its accountant, its private randomness and, with ``server-step``, its step length.
+    """The aggregator, its mechanism and the mechanism's accountant, its private randomness and, with
+    ``server-step``, its step length.
 
     ``dimension`` (the model's number of parameters) is needed in secure mode with distributed noise.
     """
-    mechanism = config.mechanism_settings
+    mechanism = config.mechanism_for(dimension)
     secure = None
     if config.secure_aggregation != "off":
         lattice, noise = config.secure_plan(dimension)
         secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, lattice, config.clipping_norm,
                                 noise)
-    if secure is not None and secure.noise is not None:
-        accountant = secure.noise.accountant()
-    else:
-        accountant = ClientLevelAccountant(
-            noise_multiplier=config.noise_multiplier,
-            sampling=config.sampling,  # type: ignore[arg-type]
-            sampling_rate=config.sampling_rate,
-            population=config.population,
-            delta=config.delta,
-            has_guarantee=mechanism.has_guarantee,
-            accountant=config.accountant,
-        )
+    accountant = mechanism.accountant(config.sampling, config.sampling_rate,  # type: ignore[arg-type]
+                                      config.population, config.delta, config.accountant)
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
@@ -259,11 +249,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
-    event = strategy.accountant.event
-    noise = strategy.secure_aggregation.noise if strategy.secure_aggregation else None
     writer.update(job_id=job_id, privacy=_privacy_record(
-        config, strategy.accountant.has_guarantee, strategy.accountant.method,
-        event.noise_multiplier if event else noise.accountant_noise_multiplier if noise else None,
+        config, strategy.accountant.has_guarantee, strategy.accountant.method, strategy.accountant.noise_multiplier,
         **({"randomness": "fixed privacy-seed (repeatable, for experiments)", "epsilon_void_against": SEEDED_VOID}
            if strategy.randomness.seed_is_fixed else {"randomness": "OS entropy (ChaCha20, 256-bit keys)"}),
         **_sampler_record(strategy, numel, config.rounds),
@@ -353,9 +340,9 @@ SEEDED_VOID = "anyone who holds the config or can guess privacy-seed: the noise 
 def _sampler_record(strategy: SecureAggregator, numel: int, rounds: int) -> dict[str, object]:
     """How the noise is drawn, and what its sampler adds to (ε, δ) over the planned rounds (included in ε)."""
     strategy.cover_sampler(numel)
-    if not isinstance(strategy.accountant, ClientLevelAccountant) or not strategy.accountant.has_guarantee:
-        return {}
     slack = strategy.accountant.sampler_slack(rounds)
+    if slack is None:  # no guarantee, or the clients draw the noise
+        return {}
     return {"noise_sampler": "discrete Gaussian on the lattice (exact sampler)",
             "sampler_epsilon_slack": slack.epsilon, "sampler_delta_slack": slack.delta}
 

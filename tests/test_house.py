@@ -60,7 +60,9 @@ def test_choices_are_what_the_implementations_offer() -> None:
 
     assert tuple(models.ACTIVATIONS) == choices.ACTIVATIONS
     assert choices.DEFAULT_ACTIVATION in choices.ACTIVATIONS
-    assert typing.get_args(mechanism.MechanismKind) == choices.MECHANISMS
+    assert tuple(mechanism.MECHANISM_REGISTRY) == choices.MECHANISMS
+    assert tuple(n for n, kind in mechanism.MECHANISM_REGISTRY.items() if kind.clips) == choices.CLIPPING_MECHANISMS
+    assert tuple(n for n, kind in mechanism.MECHANISM_REGISTRY.items() if kind.wants_term) == choices.TERM_MECHANISMS
     assert typing.get_args(sampling.SamplingKind) == choices.SAMPLING_METHODS
     assert tuple(accounting.ACCOUNTANT_REGISTRY) == choices.ACCOUNTANTS
     for name in choices.DPSGD_ACCOUNTANTS:  # Opacus builds each DP-SGD accountant by this name

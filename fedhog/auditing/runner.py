@@ -159,7 +159,7 @@ def audit(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, r
         raise ConfigError(f"harness={harness_name!r} is not allowed; expected vectorized or strategy")
     resolved = prepare(config, overrides)
     kind = harness.harness_of(resolved, harness_name)
-    if kind != "dpsgd" and not resolved.mechanism_settings.has_guarantee:
+    if kind != "dpsgd" and not resolved.privacy_mechanism.has_guarantee:
         raise ConfigError(f"mechanism={resolved.mechanism!r} with noise-multiplier={resolved.noise_multiplier:g} has "
                           "no DP guarantee (ε = ∞): there is no accounted ε to audit; expected mechanism 'gaussian' "
                           "or 'hog' with noise")

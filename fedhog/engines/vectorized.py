@@ -97,7 +97,7 @@ class VectorizedRunner:
         self.device = select_device(config.device)
         self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
         self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
-                    if config.mechanism == "hog" else None)
+                    if config.privacy_mechanism.wants_term else None)
 
     def train(self, request: TrainRequest) -> CohortReplies:
         """What every node of the cohort would reply to this round's train message, and the bytes it would send."""
