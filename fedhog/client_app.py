@@ -7,7 +7,6 @@ Thin by design: the work is in :mod:`fedhog.training` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -16,6 +15,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from . import protocol
+from .aggregators import aggregator_of
 from .client_state import accountant_path, load_accountant_state, save_accountant_state, state_dir
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
@@ -25,6 +25,8 @@ from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import PrivacyRandomness, client_bits
+from .protocol import LocalWork
+from .replies import term_keyed_like, to_cpu
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -75,31 +77,12 @@ def train(msg: Message, context: Context) -> Message:
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
-            protocol.UPDATE: ArrayRecord(_to_cpu(update)),
+            protocol.UPDATE: ArrayRecord(to_cpu(update)),
             protocol.METRICS: MetricRecord(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
-    if config.aggregator == "flower-dp":
-        from .flower_baseline import flower_dp_reply  # the server-side baseline's module, only when it runs
-
-        work = _local_work(msg, config, partition_id, server_round, with_term=False)
-        return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
-                               float(work.metrics[protocol.TRAIN_LOSS]))
-    work = _local_work(msg, config, partition_id, server_round, with_term=config.privacy_mechanism.wants_term)
-    records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(work.update))})
-    if work.term is not None:
-        records[protocol.TERM] = ArrayRecord(_to_cpu(term_keyed_like(work.term, work.update)))
-    records[protocol.METRICS] = MetricRecord(work.metrics)
-    return Message(records, reply_to=msg)
-
-
-@dataclass
-class LocalWork:
-    """A client's round: its update Δ, its third-order term t (None: not asked for, or not finite), metrics."""
-
-    global_state: dict[str, torch.Tensor]
-    update: dict[str, torch.Tensor]
-    term: dict[str, torch.Tensor] | None
-    metrics: dict[str, float | int]
+    aggregator = aggregator_of(config)  # fedhog's reply, or Flower's FedAvg reply (the flower-dp baseline)
+    work = _local_work(msg, config, partition_id, server_round, with_term=aggregator.wants_term(config))
+    return aggregator.reply(msg, work, config)
 
 
 def _load(msg: Message, config: RunConfig,
@@ -234,15 +217,3 @@ def third_order_term(
     targets = torch.as_tensor(data.y[rows], device=device)
     result = third_order_vector(model, inputs, targets, direction, loss="cross_entropy")
     return result.vector, result.finite, time.perf_counter() - started
-
-
-def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The term (keyed by parameter) keyed like the update (the whole ``state_dict``, in its order).
-
-    Buffers (BatchNorm's running statistics, say) have no derivative: their entries are 0.
-    """
-    return {key: term[key] if key in term else torch.zeros_like(value) for key, value in update.items()}
-
-
-def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .aggregators import aggregator_of
 from .choices import (
     ACCOUNTANTS,
     ACTIVATIONS,
@@ -371,8 +372,7 @@ class RunConfig:
         _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
                "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
-        if self.aggregator == "flower-dp":
-            self._validate_flower_dp()
+        self._validate_aggregator()
         _choice("secure-aggregation", self.secure_aggregation, SECURE_AGGREGATION)
         _choice("noise", self.noise, NOISE)
         if self.noise == "distributed" and self.secure_aggregation != "secagg+":
@@ -401,40 +401,25 @@ class RunConfig:
 
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
         the target, for this sampling and accountant (a bisection on the accountant);
-        with ``aggregator = "flower-dp"`` as Flower's wrapper accounts it (RDP, no amplification).
+        as the config's aggregator accounts it (:meth:`fedhog.aggregators.Aggregator.calibrate`; Flower's
+        wrapper: RDP, no amplification).
         With ``noise = "distributed"`` itself: the clients' σ_l is calibrated with the lattice
         (:meth:`secure_plan`), which needs the model's dimension.
         """
         if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self
-        if self.aggregator == "flower-dp":
-            from .privacy.calibration import calibrate_unamplified_noise_multiplier
+        return dataclasses.replace(self, noise_multiplier=aggregator_of(self).calibrate(self))
 
-            sigma = calibrate_unamplified_noise_multiplier(self.target_epsilon, self.delta, self.rounds,
-                                                           self.population, self.expected_cohort)
-        else:
-            from .privacy.calibration import (
-                calibrate_noise_multiplier,  # server-side only
-            )
-
-            sigma = calibrate_noise_multiplier(self.target_epsilon, self.delta, self.rounds, self.sampling,
-                                               self.sampling_rate, self.population, self.accountant)
-        return dataclasses.replace(self, noise_multiplier=sigma)
-
-    def _validate_flower_dp(self) -> None:
-        """Flower's accounted fixed-clipping wrapper runs one mechanism with one sampling and accountant."""
-        required = {"mechanism": "gaussian", "sampling": "fixed", "accountant": "rdp", "client-dp": "none",
-                    "adaptive-clipping": False, "resume": False, "max-update-norm": math.inf,
-                    "server-step": "none"}
-        for key, allowed in required.items():
+    def _validate_aggregator(self) -> None:
+        """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""
+        aggregator = aggregator_of(self)
+        for key, allowed in aggregator.requires.items():
             if self._get(key) != allowed:
                 raise ConfigError(
-                    f"aggregator='flower-dp' needs {key}={toml_value(allowed)}, got {key}="
-                    f"{toml_value(self._get(key))} (Flower's DifferentialPrivacyServerSideFixedClipping over "
-                    "FedAvg adds Gaussian noise to a fixed-size cohort and accounts it with its RdpAccountant "
-                    "without amplification; it has no mixing, adaptive clipping, reply filter or checkpoints)")
-        if self.noise_multiplier == 0 and self.target_epsilon == 0:
-            raise ConfigError("aggregator='flower-dp' needs noise-multiplier > 0 or a target-epsilon "
+                    f"aggregator={self.aggregator!r} needs {key}={toml_value(allowed)}, got {key}="
+                    f"{toml_value(self._get(key))} ({aggregator.requirement})")
+        if aggregator.needs_noise and self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError(f"aggregator={self.aggregator!r} needs noise-multiplier > 0 or a target-epsilon "
                               "(Flower's accountant refuses σ = 0)")
 
     def _validate_secure_aggregation(self) -> None:

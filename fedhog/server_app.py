@@ -1,4 +1,4 @@
-"""Flower ServerApp: build the SecureAggregator (or Flower's DP baseline) from the run config and write results."""
+"""Flower ServerApp: run the config's aggregator (the SecureAggregator, or Flower's DP baseline) and write results."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from .aggregators import aggregator_of
 from .alarms import alarms, warnings_for
 from .checkpoint import Checkpoint, checkpointed_rounds, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -41,6 +43,18 @@ _stage = logging.getLogger("fedhog.stage").info  # the progress display's line b
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
 Diagnose = Callable[[RoundRecord, ArrayRecord], None]
 DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is counted on
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """What the ServerApp hands its aggregator's rounds (:meth:`fedhog.aggregators.Aggregator.serve`)."""
+
+    writer: ResultsWriter
+    monitor: ServerMetrics
+    initial: ArrayRecord
+    evaluate_fn: EvaluateFn
+    checkpoint: Checkpoint | None
+    diagnose: Diagnose
 
 
 @app.main()
@@ -89,8 +103,9 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     fedhog's aggregator, an atomic ``checkpoint.pt`` (model, accountant,
     adaptive clipping's C, rounds so far: no randomness, see
     :class:`~fedhog.privacy.randomness.PrivacyRandomness`); with
-    ``resume = true`` the run continues from that checkpoint. ``aggregator = "flower-dp"`` runs Flower's accounted DP
-    wrapper instead (:mod:`fedhog.flower_baseline`).
+    ``resume = true`` the run continues from that checkpoint. The config's
+    aggregator (:mod:`fedhog.aggregators`) runs the rounds: the SecureAggregator,
+    or Flower's accounted DP wrapper (:mod:`fedhog.flower_baseline`), which writes no checkpoints.
     """
     started = time.perf_counter()
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
@@ -154,8 +169,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     initial = ArrayRecord(model.state_dict())
     initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     probe = torch.as_tensor(test_set.x[:DIAGNOSTIC_EXAMPLES])
+    aggregator = aggregator_of(config)
     linear_momentum = ({"sgd": 0.0, "momentum": config.server_momentum}.get(config.server_optimizer)
-                       if config.aggregator == "fedhog" else None)
+                       if aggregator.applies_server_optimizer else None)
     warned: set[str] = set()
 
     def diagnose(record: RoundRecord, arrays: ArrayRecord) -> None:
@@ -180,11 +196,8 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
-        if config.aggregator == "flower-dp":
-            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn, diagnose)
-        else:
-            arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
-                                                     checkpoint, diagnose)
+        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn, checkpoint,
+                                                                   diagnose))
     except BaseException as error:
         with deferred():
             if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
@@ -221,10 +234,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     return writer.directory
 
 
-def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                           initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                           checkpoint: Checkpoint | None, diagnose: Diagnose) -> tuple[ArrayRecord, float]:
+def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[ArrayRecord, float]:
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
+    writer, monitor, initial, checkpoint, diagnose = run.writer, run.monitor, run.initial, run.checkpoint, run.diagnose
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
 
@@ -271,7 +283,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
+                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=run.evaluate_fn,
                             on_round=on_round, first_round=first_round, runner=runner_for(grid))
     return result.arrays, strategy.accountant.epsilon()
 
@@ -300,16 +312,16 @@ def _stop_if_rounds_empty(rounds: list[dict], reasons: dict[str, str], delta: fl
                        "--resume")
 
 
-def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                         initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                         diagnose: Diagnose) -> tuple[ArrayRecord, float]:
+def run_flower_baseline(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[ArrayRecord, float]:
     """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
     from .flower_baseline import run_flower_dp
+
+    writer, monitor = run.writer, run.monitor
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):
             raise KeyboardInterrupt("stopped by its launcher")
-        diagnose(record, arrays)
+        run.diagnose(record, arrays)
         if writer.add_round(record):
             monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         monitor.observe_round(record)
@@ -317,7 +329,7 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
     writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier,
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "
                                           "not for deployment)"))
-    return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
+    return run_flower_dp(grid, config, run.initial, run.evaluate_fn, on_round)
 
 
 def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | None) -> dict[str, object]:

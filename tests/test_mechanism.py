@@ -439,3 +439,42 @@ def test_a_batch_constrains_each_row_as_if_alone():
         alone, one = constrain_one(updates[r], terms[r], float(xis[r]), settings_)
         torch.testing.assert_close(batch[r], alone, rtol=0, atol=0)
         assert (stats.norms_before_clip[r], stats.clipped[r], stats.mixing_ratios[r]) == tuple(one)
+
+
+# --- the mechanisms as objects ---------------------------------------------------------------------------------
+
+
+def test_the_registry_builds_each_mechanism_and_refuses_others():
+    none, gaussian_, hog = (build_mechanism(name, 1.5, 0.7, 0.3) for name in ("none", "gaussian", "hog"))
+    assert (none.name, gaussian_.name, hog.name) == ("none", "gaussian", "hog")
+    assert (none.clips, gaussian_.clips, hog.clips) == (False, True, True)
+    assert (none.wants_term, gaussian_.wants_term, hog.wants_term) == (False, False, True)
+    assert (none.has_guarantee, gaussian_.has_guarantee, build_mechanism("gaussian", 1.5, 0.0).has_guarantee) == (
+        False, True, False)
+    assert hog.mixing_strength == 0.3 and not hasattr(gaussian_, "mixing_strength")  # γ is hog's only
+    assert "γ=0.3" in hog.describe() and "C=1.5" in gaussian_.describe() and "ε = ∞" in none.describe()
+    with pytest.raises(ValueError, match="mechanism='laplace' must be one of"):
+        build_mechanism("laplace", 1.0)
+    with pytest.raises(ValueError, match="adds no noise"):
+        none.add_noise(torch.zeros(2, dtype=torch.int64), NoiseLattice(1.0, 2), SeededBits(0), 1)
+
+
+def test_xis_are_drawn_per_slot_only_where_there_is_mixing():
+    """hog: ξ of a slot is the population's draw at that slot, whoever else is asked; gaussian draws nothing."""
+    hog, gaussian_ = build_mechanism("hog", 1.0, 1.0, 0.5), build_mechanism("gaussian", 1.0, 1.0)
+    everyone = hog.xis(SeededBits(3), 8, range(8))
+    np.testing.assert_array_equal(hog.xis(SeededBits(3), 8, [6, 1]), everyone[[6, 1]])
+    assert len(set(everyone.tolist())) == 8
+    bits = CountingBits()
+    assert np.array_equal(gaussian_.xis(bits, 8, [6, 1]), np.zeros(2)) and bits.drawn == 0
+
+
+def test_each_mechanisms_accountant_is_its_own():
+    """Gaussian and hog compose their σ (halved for replace-one); none has no guarantee and ε = ∞ once it releases."""
+    for name in ("gaussian", "hog"):
+        accountant = build_mechanism(name, 1.0, 1.2, 0.5).accountant("fixed", 0.1, 100, 1e-4, "rdp")
+        assert accountant.has_guarantee and accountant.noise_multiplier == 0.6
+    plain = build_mechanism("none", 1.0, 1.2).accountant("poisson", 0.1, 100, 1e-4, "pld")
+    assert not plain.has_guarantee and plain.noise_multiplier is None and plain.sampler_slack(3) is None
+    plain.compose_round()
+    assert plain.epsilon() == math.inf

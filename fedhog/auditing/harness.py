@@ -58,6 +58,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from .. import protocol
+from ..aggregators import aggregator_of
 from ..config import RunConfig
 from ..dpsgd import DpSgdSettings
 from ..privacy.audit.attacks import Observation
@@ -149,17 +150,17 @@ class RunOutcome:
 
 def relation_of(config: RunConfig) -> str:
     """What an absent canary is under the config's accountant: add/remove (Poisson, Flower) or replace-one (fixed)."""
-    if config.aggregator == "flower-dp" or config.client_dp == "dpsgd":
+    if config.client_dp == "dpsgd":
         return "add-remove"
-    return "replace-one" if config.sampling == "fixed" else "add-remove"
+    return aggregator_of(config).audit_relation or ("replace-one" if config.sampling == "fixed" else "add-remove")
 
 
 def harness_of(config: RunConfig, trusted: str = "vectorized") -> str:
     """Which harness runs this config (see the module docstring); ``trusted`` picks the trusted server's."""
     if config.client_dp == "dpsgd":
         return "dpsgd"
-    if config.aggregator == "flower-dp":
-        return "flower-dp"
+    if aggregator_of(config).audit_harness is not None:
+        return aggregator_of(config).audit_harness
     if config.secure_aggregation != "off":
         return "secure"
     return trusted
