@@ -171,22 +171,9 @@ class RunConfig:
     # --- derived views -----------------------------------------------------
     @property
     def data_spec(self) -> DataSpec:
-        """The data this run trains and evaluates on."""
-        return DataSpec(
-            dataset=self.dataset,
-            num_samples=self.num_samples,
-            partitioner=self.partitioner,
-            num_partitions=self.population,
-            alpha=self.dirichlet_alpha,
-            classes_per_partition=self.classes_per_client,
-            validation_fraction=self.validation_fraction,
-            server_validation_fraction=self.server_validation_fraction,
-            proxy_fraction=self.proxy_fraction,
-            seed=self.seed,
-            label_column=self.label_column,
-            feature_columns=self.feature_columns,
-            client_column=self.client_column,
-        )
+        """The data this run trains and evaluates on: the :class:`~fedhog.data.DataSpec` fields of the same names
+        (all but ``test_fraction``, which keeps its default)."""
+        return DataSpec(**{name: getattr(self, name) for name in _DATA_FIELDS})
 
     @property
     def test_metrics(self) -> tuple[str, ...]:
@@ -482,6 +469,9 @@ class RunConfig:
 
     def _get(self, key: str) -> Any:
         return getattr(self, key.replace("-", "_"))
+
+
+_DATA_FIELDS = tuple(f.name for f in fields(DataSpec) if f.name in {f.name for f in fields(RunConfig)})
 
 
 def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None,
