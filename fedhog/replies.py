@@ -9,7 +9,9 @@ serves any Flower Grid: one train message per node, every reply read and
 checked by :class:`ReplyReader`. An engine that computes the cohort another
 way offers its own runner as its Grid's ``cohort_runner`` (the vectorized
 engine does); :func:`runner_for` takes it. Secure-aggregation rounds do not
-come here: their stages are messages through the Grid on every engine.
+come here: their stages are messages through the Grid on every engine. What
+fedhog's ClientApp replies (:func:`train_reply`) is written here too, next to
+what reads it.
 """
 
 from __future__ import annotations

@@ -310,15 +310,15 @@ class SecureAggregator(Strategy):
         # One ξ per slot of the population: a client's ξ does not depend on who else replied.
         xis = self.mechanism.xis(randomness.mixing, len(self.slot_of_node), [slot for slot, _, _ in contributions])
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
-        settings = self.mechanism
-        if self.adaptive_clipping is not None:
-            settings = dataclasses.replace(settings, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                           noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
-        averaged, stats = settings.aggregate([c for _, c, _ in contributions], expected_cohort, xis, randomness.noise,
-                                             flat_global.numel(), flat_global.dtype)
+        mechanism = self.mechanism
+        if self.adaptive_clipping is not None:  # this round's C, and the σ_Δ that leaves σ for the noisy count
+            mechanism = dataclasses.replace(mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
+                                            noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        averaged, stats = mechanism.aggregate([c for _, c, _ in contributions], expected_cohort, xis,
+                                              randomness.noise, flat_global.numel(), flat_global.dtype)
         if not contributions and not self.mechanism.clips:  # a mean of nothing: FedAvg releases nothing
             return None, None
-        record.clipping_norm = settings.clipping_norm
+        record.clipping_norm = mechanism.clipping_norm
         if self.adaptive_clipping is not None:
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction

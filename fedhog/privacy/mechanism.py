@@ -182,10 +182,10 @@ class NoiseLattice:
     rounding_steps: float = 0.5
 
     @classmethod
-    def for_settings(cls, settings: Mechanism, dimension: int) -> NoiseLattice:
+    def for_settings(cls, mechanism: Mechanism, dimension: int) -> NoiseLattice:
         """The trusted server's lattice for a mechanism's C and σ: g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40), fine against
         the noise, coarse against float64 spacing."""
-        scale = settings.clipping_norm * max(settings.noise_multiplier, 1.0)
+        scale = mechanism.clipping_norm * max(mechanism.noise_multiplier, 1.0)
         return cls(2.0 ** (math.floor(math.log2(scale)) - LATTICE_BITS), dimension)
 
     @property
@@ -197,9 +197,9 @@ class NoiseLattice:
         """round(vector / g) as int64 (|entries| ≤ C/g ≤ 2^41 for a clipped contribution)."""
         return torch.round(vector.to(torch.float64) / self.granularity).to(torch.int64)
 
-    def sum_std(self, settings: Mechanism) -> float:
+    def sum_std(self, mechanism: Mechanism) -> float:
         """s = σ·(C + g√d/2): the noise std on the sum, calibrated to its sensitivity."""
-        return settings.noise_multiplier * (settings.clipping_norm + self.rounding_slack)
+        return mechanism.noise_multiplier * (mechanism.clipping_norm + self.rounding_slack)
 
 
 class Mechanism(ABC):
