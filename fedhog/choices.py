@@ -30,6 +30,8 @@ SERVER_STEPS = ("none", "newton", "cubic")
 # privacy (fedhog.privacy.mechanism, fedhog.privacy.accounting, fedhog.dpsgd)
 AGGREGATORS = ("fedhog", "flower-dp")  # SecureAggregator, or Flower's accounted DP wrapper (a baseline)
 MECHANISMS: tuple[str, ...] = ("none", "gaussian", "hog")
+CLIPPING_MECHANISMS = ("gaussian", "hog")  # those that bound each contribution: DP, secure aggregation, adaptive C
+TERM_MECHANISMS = ("hog",)  # those whose clients also send a third-order term (derivatives of the raw records)
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 HOG_DIRECTIONS = ("random", "update")
 HOG_TERMS = ("third-order", "random")

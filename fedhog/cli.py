@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__, interrupts
+from .aggregators import aggregator_of
 from .choices import EXPORT_FORMATS
 from .config import ConfigError, RunConfig, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local
@@ -287,9 +288,10 @@ def _resume(command: str, folder: Path, given: dict[str, Any]) -> tuple[RunConfi
                       "its files are unchanged")
     config = load_config(folder / "config.toml")
     checkpointed = (folder / "checkpoint.pt").exists()
-    if config.aggregator == "flower-dp" and document.get("rounds"):
-        raise ConfigError(f"--resume {folder}: aggregator='flower-dp' writes no checkpoints, so its runs cannot "
-                          f"be resumed; rerun it with fedhog run {folder / 'config.toml'} --set results-dir='\"\"'")
+    if not aggregator_of(config).resumable and document.get("rounds"):
+        raise ConfigError(f"--resume {folder}: aggregator={config.aggregator!r} writes no checkpoints, so its "
+                          f"runs cannot be resumed; rerun it with fedhog run {folder / 'config.toml'} "
+                          "--set results-dir='\"\"'")
     if not checkpointed:  # it stopped before its first checkpoint: nothing was done, so start it again
         console.print(f"[yellow]note:[/] no checkpoint in {escape(str(folder))}: the run starts again from round 1")
     config = config.with_overrides({"resume": checkpointed, "results-dir": str(folder)})
@@ -390,9 +392,9 @@ def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "
         done = load_checkpoint(directory).round
     except CheckpointError:
         done = 0
-    if config.aggregator == "flower-dp" and (read_run_document(directory) or {}).get("rounds"):
-        console.print(f"[yellow]interrupted:[/] what was done is in {shown}; aggregator='flower-dp' writes no "
-                      "checkpoints, so the run cannot be resumed")
+    if not aggregator_of(config).resumable and (read_run_document(directory) or {}).get("rounds"):
+        console.print(f"[yellow]interrupted:[/] what was done is in {shown}; aggregator={config.aggregator!r} writes "
+                      "no checkpoints, so the run cannot be resumed")
         return code
     kept = (f"round 1 is kept in {shown}" if done == 1 else f"rounds 1–{done} are kept in {shown}" if done
             else f"no round had finished ({shown})")
@@ -469,7 +471,7 @@ def _report(directory: Path, failed: bool, error: object) -> int:
 
 
 def _print_privacy_banner(config: RunConfig) -> None:
-    if not config.mechanism_settings.has_guarantee:
+    if not config.privacy_mechanism.has_guarantee:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
     if config.privacy_seed >= 0:

@@ -7,7 +7,6 @@ Thin by design: the work is in :mod:`fedhog.training` and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -16,6 +15,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from . import protocol
+from .aggregators import aggregator_of
 from .client_state import accountant_path, load_accountant_state, save_accountant_state, state_dir
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
@@ -24,8 +24,9 @@ from .dpsgd import RecordPrivacy, train_dpsgd
 from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
-from .privacy.mechanism import constrain_sensitivity
-from .privacy.randomness import PrivacyRandomness, client_bits, standard_normal
+from .privacy.randomness import PrivacyRandomness, client_bits
+from .protocol import LocalWork
+from .replies import term_keyed_like, to_cpu
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -76,31 +77,12 @@ def train(msg: Message, context: Context) -> Message:
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
-            protocol.UPDATE: ArrayRecord(_to_cpu(update)),
+            protocol.UPDATE: ArrayRecord(to_cpu(update)),
             protocol.METRICS: MetricRecord(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
-    if config.aggregator == "flower-dp":
-        from .flower_baseline import flower_dp_reply  # the server-side baseline's module, only when it runs
-
-        work = _local_work(msg, config, partition_id, server_round, with_term=False)
-        return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
-                               float(work.metrics[protocol.TRAIN_LOSS]))
-    work = _local_work(msg, config, partition_id, server_round, with_term=config.mechanism == "hog")
-    records = RecordDict({protocol.UPDATE: ArrayRecord(_to_cpu(work.update))})
-    if work.term is not None:
-        records[protocol.TERM] = ArrayRecord(_to_cpu(term_keyed_like(work.term, work.update)))
-    records[protocol.METRICS] = MetricRecord(work.metrics)
-    return Message(records, reply_to=msg)
-
-
-@dataclass
-class LocalWork:
-    """A client's round: its update Δ, its third-order term t (None: not asked for, or not finite), metrics."""
-
-    global_state: dict[str, torch.Tensor]
-    update: dict[str, torch.Tensor]
-    term: dict[str, torch.Tensor] | None
-    metrics: dict[str, float | int]
+    aggregator = aggregator_of(config)  # fedhog's reply, or Flower's FedAvg reply (the flower-dp baseline)
+    work = _local_work(msg, config, partition_id, server_round, with_term=aggregator.wants_term(config))
+    return aggregator.reply(msg, work, config)
 
 
 def _load(msg: Message, config: RunConfig,
@@ -147,47 +129,44 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     """This client's share of the sum under SecAgg+: Δ_i mixed with its own ξ_i, clipped to C, quantised mod 2^bits.
 
     The same per-contribution step as the trusted server's
-    (:func:`~fedhog.privacy.mechanism.constrain_sensitivity`) on this one row.
+    (:meth:`~fedhog.privacy.mechanism.Mechanism.constrain_sensitivity`) on this one row.
     ξ_i and the stochastic rounding come from the client's own stream: OS
     entropy, or with a fixed ``privacy-seed`` the ξ the trusted server would
     draw for this client's slot (so both modes run the same experiment).
     The lattice (and, with ``noise = "distributed"``, σ_l) is the client's
     own computation from public config (:meth:`RunConfig.secure_plan`): it
-    trusts nothing the server sends but the model. With distributed noise it
-    adds its share of discrete Gaussian noise, drawn from the same stream,
-    before masking. Nothing of the contribution leaves the client unmasked;
-    a failed term raises, which the server sees as a dropout.
+    trusts nothing the server sends but the model. With distributed noise the
+    mechanism adds its share of discrete Gaussian noise, drawn from the same
+    stream, before masking (:meth:`~fedhog.privacy.mechanism.Mechanism.noise_share`).
+    Nothing of the contribution leaves the client unmasked; a failed term
+    raises, which the server sees as a dropout.
     """
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
     server_round = int(msg.content["config"][protocol.SERVER_ROUND])
-    hog = config.mechanism == "hog"
-    work = _local_work(msg, config, partition_id, server_round, with_term=hog)
     keys = list(msg.content["arrays"].keys())
+    mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in msg.content["arrays"].values()))
+    work = _local_work(msg, config, partition_id, server_round, with_term=mechanism.wants_term)
     update = flatten(work.update, keys).detach().cpu()
     if not bool(torch.isfinite(update).all()):
         raise ValueError("non-finite values: the update holds NaN or inf")
-    terms, xi = None, 0.0
+    terms = None
     seed = None if config.privacy_seed < 0 else config.privacy_seed
     bits = client_bits(seed, server_round, partition_id, stream=1)
-    if hog:
+    if mechanism.wants_term:
         if work.term is None:
             raise ValueError("non-finite third-order term: the client cannot contribute this round")
         keyed = term_keyed_like(work.term, work.update)
         terms = flatten(keyed, keys).detach().cpu()[None]
-        xi = float(standard_normal(bits, 1)[0] if seed is None else
-                   standard_normal(PrivacyRandomness(seed).for_round(server_round).mixing,
-                                   config.population)[partition_id])
-    rows, _ = constrain_sensitivity(update[None], terms, torch.tensor([xi], dtype=torch.float64),
-                                    config.mechanism_settings)
-    lattice, noise = config.secure_plan(update.numel())
+    # ξ from the client's own stream, or with a fixed seed the trusted server's draw for this slot (none: no mixing)
+    xis = (mechanism.xis(bits, 1, [0]) if seed is None else
+           mechanism.xis(PrivacyRandomness(seed).for_round(server_round).mixing, config.population, [partition_id]))
+    rows, _ = mechanism.constrain_sensitivity(update[None], terms, torch.from_numpy(xis))
+    lattice, _ = config.secure_plan(update.numel())
     if lattice.modulus_bits != modulus_bits:
         raise ValueError(f"the server asks for residues mod 2^{modulus_bits}, "
                          f"the run config for 2^{lattice.modulus_bits}")
-    levels = lattice.stochastic_round(rows[0], bits)
-    if noise is not None:
-        levels = levels + noise.sample(bits)
-    return lattice.encode(levels)
+    return lattice.encode(mechanism.noise_share(lattice.stochastic_round(rows[0], bits), bits))
 
 
 def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig, msg: Message,
@@ -238,15 +217,3 @@ def third_order_term(
     targets = torch.as_tensor(data.y[rows], device=device)
     result = third_order_vector(model, inputs, targets, direction, loss="cross_entropy")
     return result.vector, result.finite, time.perf_counter() - started
-
-
-def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The term (keyed by parameter) keyed like the update (the whole ``state_dict``, in its order).
-
-    Buffers (BatchNorm's running statistics, say) have no derivative: their entries are 0.
-    """
-    return {key: term[key] if key in term else torch.zeros_like(value) for key, value in update.items()}
-
-
-def _to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}

@@ -18,12 +18,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .aggregators import aggregator_of
 from .choices import (
     ACCOUNTANTS,
     ACTIVATIONS,
     AGGREGATORS,
     BINARY_METRICS,
     CLIENT_DP,
+    CLIPPING_MECHANISMS,
     DEFAULT_ACTIVATION,
     DEFAULT_NORMALIZATION,
     DEVICES,
@@ -45,6 +47,7 @@ from .choices import (
     SERVER_OPTIMIZERS,
     SERVER_STEPS,
     TABULAR_FORMATS,
+    TERM_MECHANISMS,
     TEST_METRICS,
     is_factory,
 )
@@ -53,7 +56,7 @@ from .settings import DpSgdSettings
 
 if TYPE_CHECKING:  # the settings a run builds: their modules load torch, so they are imported when built
     from .privacy.adaptive_clipping import AdaptiveClippingSettings
-    from .privacy.mechanism import MechanismSettings
+    from .privacy.mechanism import Mechanism
     from .secure_aggregation.distributed_noise import DistributedNoise
     from .secure_aggregation.quantization import ModularLattice
     from .server_optimizer import ServerOptimizerSettings
@@ -168,22 +171,9 @@ class RunConfig:
     # --- derived views -----------------------------------------------------
     @property
     def data_spec(self) -> DataSpec:
-        """The data this run trains and evaluates on."""
-        return DataSpec(
-            dataset=self.dataset,
-            num_samples=self.num_samples,
-            partitioner=self.partitioner,
-            num_partitions=self.population,
-            alpha=self.dirichlet_alpha,
-            classes_per_partition=self.classes_per_client,
-            validation_fraction=self.validation_fraction,
-            server_validation_fraction=self.server_validation_fraction,
-            proxy_fraction=self.proxy_fraction,
-            seed=self.seed,
-            label_column=self.label_column,
-            feature_columns=self.feature_columns,
-            client_column=self.client_column,
-        )
+        """The data this run trains and evaluates on: the :class:`~fedhog.data.DataSpec` fields of the same names
+        (all but ``test_fraction``, which keeps its default)."""
+        return DataSpec(**{name: getattr(self, name) for name in _DATA_FIELDS})
 
     @property
     def test_metrics(self) -> tuple[str, ...]:
@@ -192,16 +182,19 @@ class RunConfig:
         return names if "accuracy" in names else ("accuracy", *names)
 
     @property
-    def mechanism_settings(self) -> MechanismSettings:
-        """The server-side mechanism."""
-        from .privacy.mechanism import MechanismSettings  # torch
+    def privacy_mechanism(self) -> Mechanism:
+        """The ``mechanism`` (:data:`~fedhog.privacy.mechanism.MECHANISM_REGISTRY`) with C, σ, γ and central noise:
+        what each contribution goes through. A run's rounds apply :meth:`mechanism_for`."""
+        from .privacy.mechanism import build_mechanism  # torch
 
-        return MechanismSettings(
-            kind=self.mechanism,  # type: ignore[arg-type]
-            clipping_norm=self.clipping_norm,
-            noise_multiplier=self.noise_multiplier,
-            mixing_strength=self.mixing_strength if self.mechanism == "hog" else 0.0,
-        )
+        return build_mechanism(self.mechanism, self.clipping_norm, self.noise_multiplier, self.mixing_strength)
+
+    def mechanism_for(self, dimension: int) -> Mechanism:
+        """The mechanism of this run's rounds: :attr:`privacy_mechanism`, or with ``noise = "distributed"`` that
+        mechanism with the clients' noise shares (their plan, :meth:`secure_plan`, needs the model's dimension d)."""
+        if self.noise != "distributed":
+            return self.privacy_mechanism
+        return self.privacy_mechanism.with_client_noise(self.secure_plan(dimension)[1])
 
     @property
     def adaptive_clipping_settings(self) -> AdaptiveClippingSettings | None:
@@ -317,7 +310,7 @@ class RunConfig:
         except ValueError as error:  # "dpsgd: max_grad_norm=0.0 ..." names the field: name the config key
             field = str(error).removeprefix("dpsgd: ").split("=")[0]
             raise ConfigError(str(error).replace(f"dpsgd: {field}", "dpsgd-" + field.replace("_", "-"), 1)) from None
-        if self.client_dp == "dpsgd" and (self.mechanism == "hog" or self.optimizer == "hog-step"):
+        if self.client_dp == "dpsgd" and (self.mechanism in TERM_MECHANISMS or self.optimizer == "hog-step"):
             raise ConfigError(f"client-dp='dpsgd' cannot be combined with mechanism={self.mechanism!r} / "
                               f"optimizer={self.optimizer!r}: they send or use derivatives of the raw records, "
                               "which the per-record ε does not cover")
@@ -351,14 +344,14 @@ class RunConfig:
         _check("target-epsilon", self.target_epsilon,
                self.target_epsilon == 0 or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
                "0 (off: use noise-multiplier) or a finite ε > 0")
-        if self.target_epsilon > 0 and self.mechanism == "none":
-            raise ConfigError(f"target-epsilon={self.target_epsilon:g} needs mechanism 'gaussian' or 'hog' "
-                              "(mechanism='none' adds no noise)")
+        if self.target_epsilon > 0 and self.mechanism not in CLIPPING_MECHANISMS:
+            raise ConfigError(f"target-epsilon={self.target_epsilon:g} needs mechanism {_either(CLIPPING_MECHANISMS)} "
+                              f"(mechanism={self.mechanism!r} adds no noise)")
         _check("max-epsilon", self.max_epsilon, self.max_epsilon > 0 and not math.isnan(self.max_epsilon),
                "a number > 0 or inf")
         _check("max-update-norm", self.max_update_norm,
                self.max_update_norm > 0 and not math.isnan(self.max_update_norm), "a number > 0 or inf")
-        if math.isfinite(self.max_epsilon) and not self.mechanism_settings.has_guarantee and self.target_epsilon == 0:
+        if math.isfinite(self.max_epsilon) and not self.privacy_mechanism.has_guarantee and self.target_epsilon == 0:
             raise ConfigError(
                 f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "
                 f"noise-multiplier={self.noise_multiplier:g} has no DP guarantee (ε = ∞)"
@@ -366,8 +359,7 @@ class RunConfig:
         _check("metrics-port", self.metrics_port, -1 <= self.metrics_port <= 65535,
                "-1 (no HTTP endpoint), 0 (any free port) or a port 1..65535 (bound to 127.0.0.1)")
         _check("privacy-seed", self.privacy_seed, self.privacy_seed >= -1, "-1 (OS entropy) or a seed ≥ 0")
-        if self.aggregator == "flower-dp":
-            self._validate_flower_dp()
+        self._validate_aggregator()
         _choice("secure-aggregation", self.secure_aggregation, SECURE_AGGREGATION)
         _choice("noise", self.noise, NOISE)
         if self.noise == "distributed" and self.secure_aggregation != "secagg+":
@@ -396,40 +388,25 @@ class RunConfig:
 
         The smallest σ whose ε after ``rounds`` releases at ``delta`` is within
         the target, for this sampling and accountant (a bisection on the accountant);
-        with ``aggregator = "flower-dp"`` as Flower's wrapper accounts it (RDP, no amplification).
+        as the config's aggregator accounts it (:meth:`fedhog.aggregators.Aggregator.calibrate`; Flower's
+        wrapper: RDP, no amplification).
         With ``noise = "distributed"`` itself: the clients' σ_l is calibrated with the lattice
         (:meth:`secure_plan`), which needs the model's dimension.
         """
         if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self
-        if self.aggregator == "flower-dp":
-            from .privacy.calibration import calibrate_unamplified_noise_multiplier
+        return dataclasses.replace(self, noise_multiplier=aggregator_of(self).calibrate(self))
 
-            sigma = calibrate_unamplified_noise_multiplier(self.target_epsilon, self.delta, self.rounds,
-                                                           self.population, self.expected_cohort)
-        else:
-            from .privacy.calibration import (
-                calibrate_noise_multiplier,  # server-side only
-            )
-
-            sigma = calibrate_noise_multiplier(self.target_epsilon, self.delta, self.rounds, self.sampling,
-                                               self.sampling_rate, self.population, self.accountant)
-        return dataclasses.replace(self, noise_multiplier=sigma)
-
-    def _validate_flower_dp(self) -> None:
-        """Flower's accounted fixed-clipping wrapper runs one mechanism with one sampling and accountant."""
-        required = {"mechanism": "gaussian", "sampling": "fixed", "accountant": "rdp", "client-dp": "none",
-                    "adaptive-clipping": False, "resume": False, "max-update-norm": math.inf,
-                    "server-step": "none"}
-        for key, allowed in required.items():
+    def _validate_aggregator(self) -> None:
+        """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""
+        aggregator = aggregator_of(self)
+        for key, allowed in aggregator.requires.items():
             if self._get(key) != allowed:
                 raise ConfigError(
-                    f"aggregator='flower-dp' needs {key}={toml_value(allowed)}, got {key}="
-                    f"{toml_value(self._get(key))} (Flower's DifferentialPrivacyServerSideFixedClipping over "
-                    "FedAvg adds Gaussian noise to a fixed-size cohort and accounts it with its RdpAccountant "
-                    "without amplification; it has no mixing, adaptive clipping, reply filter or checkpoints)")
-        if self.noise_multiplier == 0 and self.target_epsilon == 0:
-            raise ConfigError("aggregator='flower-dp' needs noise-multiplier > 0 or a target-epsilon "
+                    f"aggregator={self.aggregator!r} needs {key}={toml_value(allowed)}, got {key}="
+                    f"{toml_value(self._get(key))} ({aggregator.requirement})")
+        if aggregator.needs_noise and self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError(f"aggregator={self.aggregator!r} needs noise-multiplier > 0 or a target-epsilon "
                               "(Flower's accountant refuses σ = 0)")
 
     def _validate_secure_aggregation(self) -> None:
@@ -443,10 +420,10 @@ class RunConfig:
             if self._get(key) != allowed:
                 raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs {key}="
                                   f"{toml_value(allowed)}, got {key}={toml_value(self._get(key))}: {why}")
-        if self.mechanism == "none":
-            raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs mechanism 'gaussian' "
-                              "or 'hog': clients must clip to clipping-norm before quantising (mechanism='none' "
-                              "sends unbounded, example-weighted updates)")
+        if self.mechanism not in CLIPPING_MECHANISMS:
+            raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs mechanism "
+                              f"{_either(CLIPPING_MECHANISMS)}: clients must clip to clipping-norm before quantising "
+                              f"(mechanism={self.mechanism!r} sends unbounded, example-weighted updates)")
         _check("secagg-num-shares", self.secagg_num_shares, self.secagg_num_shares == 0 or self.secagg_num_shares >= 3,
                "0 (the whole cohort) or an integer ≥ 3")
         _check("secagg-threshold", self.secagg_threshold, 0 < self.secagg_threshold <= 1, "a number in (0, 1]")
@@ -476,9 +453,9 @@ class RunConfig:
                               "distributed discrete Gaussian's accounting does not bound")
 
     def _validate_adaptive_clipping(self) -> None:
-        if self.mechanism == "none":
-            raise ConfigError("adaptive-clipping=true needs mechanism 'gaussian' or 'hog' "
-                              "(mechanism='none' does not clip)")
+        if self.mechanism not in CLIPPING_MECHANISMS:
+            raise ConfigError(f"adaptive-clipping=true needs mechanism {_either(CLIPPING_MECHANISMS)} "
+                              f"(mechanism={self.mechanism!r} does not clip)")
         _check("target-quantile", self.target_quantile, 0 < self.target_quantile < 1, "a number in (0, 1)")
         _check("clipping-learning-rate", self.clipping_learning_rate,
                math.isfinite(self.clipping_learning_rate) and self.clipping_learning_rate > 0, "a finite number > 0")
@@ -492,6 +469,9 @@ class RunConfig:
 
     def _get(self, key: str) -> Any:
         return getattr(self, key.replace("-", "_"))
+
+
+_DATA_FIELDS = tuple(f.name for f in fields(DataSpec) if f.name in {f.name for f in fields(RunConfig)})
 
 
 def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None,
@@ -628,6 +608,11 @@ def toml_value(value: Any) -> str:
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not allowed; expected one of {', '.join(allowed)}")
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """``'a' or 'b'``: the allowed values in an error message."""
+    return " or ".join(repr(name) for name in names)
 
 
 def _check(key: str, value: Any, ok: bool, allowed: str) -> None:

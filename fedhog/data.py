@@ -9,7 +9,7 @@ Layout of one spec:
 * ``mnist1d``, ``digits`` and ``hf:<id>``: a central test set is held out
   (``test_fraction`` of the data; the ``test`` split for ``hf:``), the rest is
   the training pool, which a flwr-datasets partitioner splits into
-  ``num_partitions`` disjoint client partitions covering the pool.
+  ``population`` disjoint client partitions covering the pool.
 * ``csv:PATH``, ``parquet:PATH``, ``npz:PATH``: the user's own table (see
   :func:`tabular_source`): ``label_column`` holds the label, ``feature_columns``
   (default: every other column but ``client_column``) the numeric features. With
@@ -20,7 +20,7 @@ Layout of one spec:
   of the clients' training rows only (not their validation rows, not the test set).
 * ``synthetic`` / ``synthetic:<alpha>,<beta>``: FedProx Synthetic(alpha, beta)
   (Li et al., 2020); every client generates its own data (natural partition,
-  ``partitioner``, ``alpha`` and ``num_samples`` are ignored) and hands
+  ``partitioner``, ``dirichlet_alpha`` and ``num_samples`` are ignored) and hands
   ``test_fraction`` of it to the central test set. Plain ``synthetic`` is
   Synthetic(1, 1).
 
@@ -71,6 +71,10 @@ _stage = logging.getLogger("fedhog.stage").info  # what the progress display sho
 class DataSpec:
     """Everything that determines the federated data (hashable cache key).
 
+    A run's spec is :attr:`fedhog.config.RunConfig.data_spec`: every field but
+    ``test_fraction`` is the run config's field of the same name (config key
+    ``x-y`` for field ``x_y``), with the same default.
+
     Attributes
     ----------
     dataset : str
@@ -80,11 +84,11 @@ class DataSpec:
         ignored by the other datasets.
     partitioner : str
         One of ``PARTITIONERS``; ignored by ``synthetic``.
-    num_partitions : int
-        Number of clients.
-    alpha : float
+    population : int
+        Number of clients (partitions).
+    dirichlet_alpha : float
         Dirichlet concentration (``dirichlet`` only); smaller is more skewed.
-    classes_per_partition : int
+    classes_per_client : int
         Classes per client (``pathological`` only).
     validation_fraction : float
         Fraction of each client's examples kept for validation, in [0, 1).
@@ -106,9 +110,9 @@ class DataSpec:
     dataset: str = "mnist1d"
     num_samples: int = 20000
     partitioner: str = "dirichlet"
-    num_partitions: int = 100
-    alpha: float = 0.5
-    classes_per_partition: int = 2
+    population: int = 1000
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
     validation_fraction: float = 0.1
     test_fraction: float = 0.2
     server_validation_fraction: float = 0.0
@@ -173,7 +177,7 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
     spec : DataSpec
         Spec to check.
     partition_id : int, optional
-        Client id to check against ``spec.num_partitions``.
+        Client id to check against ``spec.population``.
 
     Raises
     ------
@@ -199,12 +203,12 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
         raise _reject("partitioner", spec.partitioner, f"one of {PARTITIONERS}")
     if not _is_int(spec.num_samples) or spec.num_samples < 10:
         raise _reject("num_samples", spec.num_samples, "an integer >= 10")
-    if not _is_int(spec.num_partitions) or spec.num_partitions < 1:
-        raise _reject("num_partitions", spec.num_partitions, "an integer >= 1")
-    if not isinstance(spec.alpha, (int, float)) or not spec.alpha > 0:
-        raise _reject("alpha", spec.alpha, "a number > 0")
-    if not _is_int(spec.classes_per_partition) or spec.classes_per_partition < 1:
-        raise _reject("classes_per_partition", spec.classes_per_partition, "an integer >= 1")
+    if not _is_int(spec.population) or spec.population < 1:
+        raise _reject("population", spec.population, "an integer >= 1")
+    if not isinstance(spec.dirichlet_alpha, (int, float)) or not spec.dirichlet_alpha > 0:
+        raise _reject("dirichlet_alpha", spec.dirichlet_alpha, "a number > 0")
+    if not _is_int(spec.classes_per_client) or spec.classes_per_client < 1:
+        raise _reject("classes_per_client", spec.classes_per_client, "an integer >= 1")
     if not isinstance(spec.validation_fraction, (int, float)) or not (
         0 <= spec.validation_fraction < 1
     ):
@@ -224,11 +228,11 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
     if not _is_int(spec.seed) or spec.seed < 0:
         raise _reject("seed", spec.seed, "an integer >= 0")
     if partition_id is not None and (
-        not _is_int(partition_id) or not 0 <= partition_id < spec.num_partitions
+        not _is_int(partition_id) or not 0 <= partition_id < spec.population
     ):
         raise _reject(
             "partition_id", partition_id,
-            f"an integer in [0, {spec.num_partitions - 1}] (num_partitions={spec.num_partitions})",
+            f"an integer in [0, {spec.population - 1}] (population={spec.population})",
         )
 
 
@@ -299,7 +303,7 @@ def population_training_data(spec: DataSpec) -> tuple[np.ndarray, np.ndarray, tu
 
 @functools.lru_cache(maxsize=8)
 def _federation(spec: DataSpec) -> _Federation:
-    _stage("preparing the data: %s for %d clients (%s)…", spec.dataset, spec.num_partitions, spec.partitioner)
+    _stage("preparing the data: %s for %d clients (%s)…", spec.dataset, spec.population, spec.partitioner)
     params = _synthetic_params(spec.dataset)
     if params is not None:
         return _synthetic_federation(spec, *params)
@@ -322,7 +326,7 @@ def _federation(spec: DataSpec) -> _Federation:
     order = np.random.default_rng([spec.seed, 1]).permutation(len(y)) if n_val + n_proxy else np.arange(len(y))
     held = [ArrayData(x[i], y[i]) for i in (order[:n_val], order[n_val:n_val + n_proxy])]
     x, y = x[order[n_val + n_proxy:]], y[order[n_val + n_proxy:]]
-    _stage("partitioning %d examples among %d clients (%s)…", len(y), spec.num_partitions, spec.partitioner)
+    _stage("partitioning %d examples among %d clients (%s)…", len(y), spec.population, spec.partitioner)
     clients = tuple(
         _train_val_split(part, spec.validation_fraction) for part in _partition(y, spec)
     )
@@ -343,32 +347,32 @@ def _make_partitioner(spec: DataSpec) -> Partitioner:
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
 
     if spec.partitioner == "iid":  # contiguous shards of the (shuffled) pool
-        return IidPartitioner(spec.num_partitions)
+        return IidPartitioner(spec.population)
     if spec.partitioner == "dirichlet":
         # flwr's default min_partition_size=10 resamples until every client has 10
         # examples and gives up after 10 tries, which fails for large populations
         # with ~10 examples each; empty clients are filled by _fill_empty instead.
         return DirichletPartitioner(
-            spec.num_partitions, "label", float(spec.alpha),
+            spec.population, "label", float(spec.dirichlet_alpha),
             min_partition_size=0, seed=spec.seed,
         )
     return PathologicalPartitioner(
-        spec.num_partitions, "label", spec.classes_per_partition,
+        spec.population, "label", spec.classes_per_client,
         class_assignment_mode="first-deterministic", seed=spec.seed,
     )
 
 
 def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
-    """Split ``arange(len(labels))`` into ``spec.num_partitions`` disjoint covering parts."""
-    if spec.num_partitions > len(labels):
+    """Split ``arange(len(labels))`` into ``spec.population`` disjoint covering parts."""
+    if spec.population > len(labels):
         raise _reject(
-            "num_partitions", spec.num_partitions,
+            "population", spec.population,
             f"at most the {len(labels)} training examples of dataset={spec.dataset!r}",
         )
     num_classes = len(np.unique(labels))
-    if spec.partitioner == "pathological" and spec.classes_per_partition > num_classes:
+    if spec.partitioner == "pathological" and spec.classes_per_client > num_classes:
         raise _reject(
-            "classes_per_partition", spec.classes_per_partition,
+            "classes_per_client", spec.classes_per_client,
             f"at most the {num_classes} classes of dataset={spec.dataset!r}",
         )
     from datasets import Dataset
@@ -378,11 +382,11 @@ def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
     try:
         parts = [
             np.asarray(partitioner.load_partition(i)["idx"], dtype=np.int64)
-            for i in range(spec.num_partitions)
+            for i in range(spec.population)
         ]
     except ValueError as err:  # pathological: a class is needed by more clients than it has
         raise _reject(
-            "num_partitions", spec.num_partitions, f"a feasible partitioning ({err})"
+            "population", spec.population, f"a feasible partitioning ({err})"
         ) from err
     return _fill_empty(parts)
 
@@ -410,7 +414,7 @@ def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federat
     per client capped at ``SYNTHETIC_MAX_SAMPLES``. As in the reference code,
     ``alpha`` and ``beta`` are standard deviations.
     """
-    dim, num_classes, k = 60, 10, spec.num_partitions
+    dim, num_classes, k = 60, 10, spec.population
     rng = np.random.default_rng(spec.seed)
     counts = np.minimum(rng.lognormal(4, 2, k).astype(np.int64) + 50, SYNTHETIC_MAX_SAMPLES)
     u = rng.normal(0, alpha, k)
@@ -568,8 +572,8 @@ def _tabular_federation(spec: DataSpec) -> _Federation:
         if len(names) < 2:
             raise _reject("client-column", spec.client_column, f"a column with at least 2 distinct values (one "
                           f"client each); it has one ({names[0]!r})")
-        if len(names) != spec.num_partitions:
-            raise _reject("population", spec.num_partitions, f"the {len(names)} distinct values of "
+        if len(names) != spec.population:
+            raise _reject("population", spec.population, f"the {len(names)} distinct values of "
                           f"client-column={spec.client_column!r} (one client each): set population = {len(names)}")
         held_rows: list[list[np.ndarray]] = [[], [], []]  # test, server validation, proxy: a share of each client
         client_rows = []

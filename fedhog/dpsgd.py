@@ -53,7 +53,7 @@ from .data import ArrayData
 from .privacy.mechanism import (
     MAX_CONTRIBUTIONS,
     MAX_TAIL_DELTA_SHARE,
-    MechanismSettings,
+    GaussianMechanism,
     NoiseLattice,
     sampler_slack,
 )
@@ -112,8 +112,7 @@ def lattice_noisy_sum(summed: torch.Tensor, settings: DpSgdSettings, bits: Rando
 
 
 def _lattice(settings: DpSgdSettings, dimension: int) -> NoiseLattice:
-    return NoiseLattice.for_settings(MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier),
-                                     dimension)
+    return NoiseLattice.for_settings(GaussianMechanism(settings.max_grad_norm, settings.noise_multiplier), dimension)
 
 
 def _noise_std(settings: DpSgdSettings, lattice: NoiseLattice) -> float:

@@ -89,6 +89,16 @@ def fedavg_metrics(train_loss: float) -> dict[str, int | float]:
     return {FEDAVG_WEIGHT: 1, TRAIN_LOSS: measured(train_loss)}
 
 
+@dataclass
+class LocalWork:
+    """A client's round: its update Δ, its third-order term t (None: not asked for, or not finite), metrics."""
+
+    global_state: dict[str, torch.Tensor]
+    update: dict[str, torch.Tensor]
+    term: dict[str, torch.Tensor] | None
+    metrics: dict[str, float | int]
+
+
 @dataclass(frozen=True)
 class ClientResult:
     """What one sampled client delivered, however it travelled (a reply, or the vectorized engine).

@@ -9,7 +9,9 @@ serves any Flower Grid: one train message per node, every reply read and
 checked by :class:`ReplyReader`. An engine that computes the cohort another
 way offers its own runner as its Grid's ``cohort_runner`` (the vectorized
 engine does); :func:`runner_for` takes it. Secure-aggregation rounds do not
-come here: their stages are messages through the Grid on every engine.
+come here: their stages are messages through the Grid on every engine. What
+fedhog's ClientApp replies (:func:`train_reply`) is written here too, next to
+what reads it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,29 @@ class CohortRunner(Protocol):
 
     def train(self, request: TrainRequest) -> CohortReplies:
         """Every node of ``request.cohort``'s answer to this round's train instruction."""
+
+
+def train_reply(msg: Message, work: protocol.LocalWork) -> Message:
+    """fedhog's ClientApp's reply to a train message: Δ, t (when computed and finite) and the metrics, as
+    :class:`ReplyReader` reads them."""
+    records = RecordDict({protocol.UPDATE: ArrayRecord(to_cpu(work.update))})
+    if work.term is not None:
+        records[protocol.TERM] = ArrayRecord(to_cpu(term_keyed_like(work.term, work.update)))
+    records[protocol.METRICS] = MetricRecord(work.metrics)
+    return Message(records, reply_to=msg)
+
+
+def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The term (keyed by parameter) keyed like the update (the whole ``state_dict``, in its order).
+
+    Buffers (BatchNorm's running statistics, say) have no derivative: their entries are 0.
+    """
+    return {key: term[key] if key in term else torch.zeros_like(value) for key, value in update.items()}
+
+
+def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU copies, as a reply's arrays travel."""
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
 def train_messages(request: TrainRequest) -> list[Message]:

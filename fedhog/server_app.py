@@ -1,4 +1,4 @@
-"""Flower ServerApp: build the SecureAggregator (or Flower's DP baseline) from the run config and write results."""
+"""Flower ServerApp: run the config's aggregator (the SecureAggregator, or Flower's DP baseline) and write results."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from .aggregators import aggregator_of
 from .alarms import alarms, warnings_for
 from .checkpoint import Checkpoint, checkpointed_rounds, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -26,7 +28,6 @@ from .diagnostics import saturated_fractions, weight_diagnostics
 from .interrupts import deferred, interrupt_exit_code
 from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
-from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .protocol import JOB_ID, Rejection
@@ -44,6 +45,18 @@ Diagnose = Callable[[RoundRecord, ArrayRecord], None]
 DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is counted on
 
 
+@dataclass(frozen=True)
+class ServerRun:
+    """What the ServerApp hands its aggregator's rounds (:meth:`fedhog.aggregators.Aggregator.serve`)."""
+
+    writer: ResultsWriter
+    monitor: ServerMetrics
+    initial: ArrayRecord
+    evaluate_fn: EvaluateFn
+    checkpoint: Checkpoint | None
+    diagnose: Diagnose
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point of the ServerApp under any Flower engine."""
@@ -51,28 +64,19 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def build_strategy(config: RunConfig, dimension: int = 0) -> SecureAggregator:
-    """The aggregator, its accountant, its private randomness and, with ``server-step``, its step length.
+    """The aggregator, its mechanism and the mechanism's accountant, its private randomness and, with
+    ``server-step``, its step length.
 
     ``dimension`` (the model's number of parameters) is needed in secure mode with distributed noise.
     """
-    mechanism = config.mechanism_settings
+    mechanism = config.mechanism_for(dimension)
     secure = None
     if config.secure_aggregation != "off":
         lattice, noise = config.secure_plan(dimension)
         secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, lattice, config.clipping_norm,
                                 noise)
-    if secure is not None and secure.noise is not None:
-        accountant = secure.noise.accountant()
-    else:
-        accountant = ClientLevelAccountant(
-            noise_multiplier=config.noise_multiplier,
-            sampling=config.sampling,  # type: ignore[arg-type]
-            sampling_rate=config.sampling_rate,
-            population=config.population,
-            delta=config.delta,
-            has_guarantee=mechanism.has_guarantee,
-            accountant=config.accountant,
-        )
+    accountant = mechanism.accountant(config.sampling, config.sampling_rate,  # type: ignore[arg-type]
+                                      config.population, config.delta, config.accountant)
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
     return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
@@ -99,8 +103,9 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     fedhog's aggregator, an atomic ``checkpoint.pt`` (model, accountant,
     adaptive clipping's C, rounds so far: no randomness, see
     :class:`~fedhog.privacy.randomness.PrivacyRandomness`); with
-    ``resume = true`` the run continues from that checkpoint. ``aggregator = "flower-dp"`` runs Flower's accounted DP
-    wrapper instead (:mod:`fedhog.flower_baseline`).
+    ``resume = true`` the run continues from that checkpoint. The config's
+    aggregator (:mod:`fedhog.aggregators`) runs the rounds: the SecureAggregator,
+    or Flower's accounted DP wrapper (:mod:`fedhog.flower_baseline`), which writes no checkpoints.
     """
     started = time.perf_counter()
     directory = Path(config.results_dir) if config.results_dir else default_results_dir()
@@ -164,8 +169,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     initial = ArrayRecord(model.state_dict())
     initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     probe = torch.as_tensor(test_set.x[:DIAGNOSTIC_EXAMPLES])
+    aggregator = aggregator_of(config)
     linear_momentum = ({"sgd": 0.0, "momentum": config.server_momentum}.get(config.server_optimizer)
-                       if config.aggregator == "fedhog" else None)
+                       if aggregator.applies_server_optimizer else None)
     warned: set[str] = set()
 
     def diagnose(record: RoundRecord, arrays: ArrayRecord) -> None:
@@ -190,11 +196,8 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
-        if config.aggregator == "flower-dp":
-            arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn, diagnose)
-        else:
-            arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
-                                                     checkpoint, diagnose)
+        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn, checkpoint,
+                                                                   diagnose))
     except BaseException as error:
         with deferred():
             if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
@@ -231,10 +234,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     return writer.directory
 
 
-def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                           initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                           checkpoint: Checkpoint | None, diagnose: Diagnose) -> tuple[ArrayRecord, float]:
+def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[ArrayRecord, float]:
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
+    writer, monitor, initial, checkpoint, diagnose = run.writer, run.monitor, run.initial, run.checkpoint, run.diagnose
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
 
@@ -259,11 +261,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
-    event = strategy.accountant.event
-    noise = strategy.secure_aggregation.noise if strategy.secure_aggregation else None
     writer.update(job_id=job_id, privacy=_privacy_record(
-        config, strategy.accountant.has_guarantee, strategy.accountant.method,
-        event.noise_multiplier if event else noise.accountant_noise_multiplier if noise else None,
+        config, strategy.accountant.has_guarantee, strategy.accountant.method, strategy.accountant.noise_multiplier,
         **({"randomness": "fixed privacy-seed (repeatable, for experiments)", "epsilon_void_against": SEEDED_VOID}
            if strategy.randomness.seed_is_fixed else {"randomness": "OS entropy (ChaCha20, 256-bit keys)"}),
         **_sampler_record(strategy, numel, config.rounds),
@@ -284,7 +283,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     _stage("round %d of %d…", first_round, config.rounds)
     result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
+                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=run.evaluate_fn,
                             on_round=on_round, first_round=first_round, runner=runner_for(grid))
     return result.arrays, strategy.accountant.epsilon()
 
@@ -313,16 +312,16 @@ def _stop_if_rounds_empty(rounds: list[dict], reasons: dict[str, str], delta: fl
                        "--resume")
 
 
-def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                         initial: ArrayRecord, evaluate_fn: EvaluateFn,
-                         diagnose: Diagnose) -> tuple[ArrayRecord, float]:
+def run_flower_baseline(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[ArrayRecord, float]:
     """Flower's accounted DP wrapper over FedAvg (:mod:`fedhog.flower_baseline`); no checkpoints."""
     from .flower_baseline import run_flower_dp
+
+    writer, monitor = run.writer, run.monitor
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):
             raise KeyboardInterrupt("stopped by its launcher")
-        diagnose(record, arrays)
+        run.diagnose(record, arrays)
         if writer.add_round(record):
             monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
         monitor.observe_round(record)
@@ -330,7 +329,7 @@ def _run_flower_baseline(grid: Grid, config: RunConfig, writer: ResultsWriter, m
     writer.update(privacy=_privacy_record(config, True, "flower-rdp-no-amplification", config.noise_multiplier,
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "
                                           "not for deployment)"))
-    return run_flower_dp(grid, config, initial, evaluate_fn, on_round)
+    return run_flower_dp(grid, config, run.initial, run.evaluate_fn, on_round)
 
 
 def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | None) -> dict[str, object]:
@@ -353,9 +352,9 @@ SEEDED_VOID = "anyone who holds the config or can guess privacy-seed: the noise 
 def _sampler_record(strategy: SecureAggregator, numel: int, rounds: int) -> dict[str, object]:
     """How the noise is drawn, and what its sampler adds to (ε, δ) over the planned rounds (included in ε)."""
     strategy.cover_sampler(numel)
-    if not isinstance(strategy.accountant, ClientLevelAccountant) or not strategy.accountant.has_guarantee:
-        return {}
     slack = strategy.accountant.sampler_slack(rounds)
+    if slack is None:  # no guarantee, or the clients draw the noise
+        return {}
     return {"noise_sampler": "discrete Gaussian on the lattice (exact sampler)",
             "sampler_epsilon_slack": slack.epsilon, "sampler_delta_slack": slack.delta}
 

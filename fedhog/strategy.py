@@ -23,19 +23,10 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
 from .layout import flatten_record, unflatten_like
-from .privacy.accounting import ClientLevelAccountant
+from .privacy.accounting import Accountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.distributed_gaussian import DistributedGaussianAccountant
-from .privacy.mechanism import (
-    MAX_TAIL_DELTA_SHARE,
-    Contribution,
-    MechanismSettings,
-    NoiseLattice,
-    add_noise,
-    aggregate,
-    norms_of,
-)
-from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
+from .privacy.mechanism import MAX_TAIL_DELTA_SHARE, Contribution, Mechanism, NoiseLattice, norms_of
+from .privacy.randomness import PrivacyRandomness, RoundRandomness
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .protocol import BadReply, ClientResult, Rejection
 from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
@@ -95,10 +86,12 @@ class SecureAggregator(Strategy):
 
     Parameters
     ----------
-    mechanism : MechanismSettings
-        ``none``, ``gaussian`` (DP-FedAvg) or ``hog`` (mixing + DP-FedAvg).
-    accountant : ClientLevelAccountant
-        Composes one event per released round; reports ε(δ).
+    mechanism : Mechanism
+        What each round does with its contributions (:mod:`fedhog.privacy.mechanism`):
+        ``none``, ``gaussian`` (DP-FedAvg), ``hog`` (mixing + DP-FedAvg), or
+        one of the last two with the clients adding the noise.
+    accountant : Accountant
+        Composes one event per released round; reports ε(δ) (the mechanism's :meth:`~Mechanism.accountant`).
     randomness : PrivacyRandomness
         Where each round's sampling, ξ and noise come from (OS entropy, or a
         fixed seed for experiments).
@@ -129,16 +122,14 @@ class SecureAggregator(Strategy):
     secure_aggregation : SecAggSettings, optional
         SecAgg+: each client mixes, clips and quantises its own contribution
         and the server receives masked vectors only; it unmasks their sum and
-        adds the noise to it (:meth:`secure_round`), or, with distributed
-        noise, releases the sum of the clients' noised contributions as it is
-        (then ``accountant`` is a
-        :class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`).
+        the mechanism adds the noise to it (:meth:`secure_round`), or none
+        where the clients added it (distributed noise).
     """
 
     def __init__(
         self,
-        mechanism: MechanismSettings,
-        accountant: ClientLevelAccountant | DistributedGaussianAccountant,
+        mechanism: Mechanism,
+        accountant: Accountant,
         randomness: PrivacyRandomness,
         sampling: SamplingKind,
         sampling_rate: float,
@@ -162,7 +153,7 @@ class SecureAggregator(Strategy):
         self.adaptive_clipping = adaptive_clipping
         self.max_update_norm = max_update_norm
         self.secure_aggregation = secure_aggregation
-        if secure_aggregation is not None and (mechanism.kind == "none" or adaptive_clipping is not None
+        if secure_aggregation is not None and (not mechanism.clips or adaptive_clipping is not None
                                                or math.isfinite(max_update_norm)):
             raise ValueError("secure aggregation needs a clipping mechanism, a fixed C and no max-update-norm")
         self.slot_of_node = {}  # node id -> position in the population (see discover)
@@ -174,15 +165,14 @@ class SecureAggregator(Strategy):
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
 
     def __repr__(self) -> str:
-        m = self.mechanism
-        return (f"SecureAggregator(mechanism={m.kind!r}, C={m.clipping_norm}, σ={m.noise_multiplier}, "
-                f"γ={m.mixing_strength}, sampling={self.sampling!r}, q={self.sampling_rate}, "
+        return (f"SecureAggregator(mechanism={self.mechanism!r}, sampling={self.sampling!r}, q={self.sampling_rate}, "
                 f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon}, "
                 f"secure_aggregation={self.secure_aggregation!r})")
 
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
         log(INFO, "\t├──> %r", self)
+        log(INFO, "\t├──> %s", self.mechanism.describe())
         if self.adaptive_clipping is not None:
             log(INFO, "\t├──> %r (the sum gets σ_Δ·C, the accountant composes σ)", self.adaptive_clipping)
         if self.secure_aggregation is not None:
@@ -192,7 +182,7 @@ class SecureAggregator(Strategy):
             log(INFO, "\t└──> %s", self.accountant.describe())
         else:
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
-                "updates; ε = ∞", self.mechanism.kind, self.mechanism.noise_multiplier)
+                "updates; ε = ∞", self.mechanism.name, self.mechanism.noise_multiplier)
         if self.randomness.seed_is_fixed:
             log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible, so the ε printed is void "
                 "against anyone who holds the config or guesses the seed (small seeds are found by trying them in "
@@ -212,7 +202,7 @@ class SecureAggregator(Strategy):
     def cover_sampler(self, numel: int) -> None:
         """Tell the accountant what each release draws from the lattice sampler (its slack enters ε and δ).
 
-        With distributed noise the accountant ignores it: its own accounting covers the clients' discrete Gaussians.
+        Where the clients add the noise the accountant ignores it: its own accounting covers their discrete Gaussians.
         """
         if not self.accountant.has_guarantee:
             return
@@ -280,10 +270,10 @@ class SecureAggregator(Strategy):
         """Sample this round's cohort (:meth:`begin_round`) and say what it is to train."""
         cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
-        return TrainRequest(server_round, arrays, config, cohort, self.mechanism.kind == "hog", timeout)
+        return TrainRequest(server_round, arrays, config, cohort, self.mechanism.wants_term, timeout)
 
     def _reader(self) -> ReplyReader:
-        return ReplyReader(self._global, self._cohort, self.mechanism.kind == "hog")
+        return ReplyReader(self._global, self._cohort, self.mechanism.wants_term)
 
     def finish_replies(
         self, server_round: int, replies: CohortReplies
@@ -312,28 +302,23 @@ class SecureAggregator(Strategy):
                 contributions.append((result.slot, verdict, result.metrics))
         contributions.sort(key=lambda item: item[0])  # slot order, as the sum is exact whatever the order
         record.clients_accepted = len(contributions)
-        if record.clients_sampled and not contributions and self.mechanism.kind != "none":
+        if record.clients_sampled and not contributions and self.mechanism.clips:
             self._note_empty_round(server_round)
 
         flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
-        xis = [0.0] * len(contributions)
         # One ξ per slot of the population: a client's ξ does not depend on who else replied.
-        if self.mechanism.kind == "hog":
-            per_slot = standard_normal(randomness.mixing, len(self.slot_of_node))
-            xis = [float(per_slot[slot]) for slot, _, _ in contributions]
+        xis = self.mechanism.xis(randomness.mixing, len(self.slot_of_node), [slot for slot, _, _ in contributions])
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
-        settings = self.mechanism
-        if self.adaptive_clipping is not None:
-            settings = dataclasses.replace(settings, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                           noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
-        averaged, stats = aggregate(
-            [c for _, c, _ in contributions], settings, expected_cohort,
-            xis, randomness.noise, flat_global.numel(), flat_global.dtype,
-        )
-        if self.mechanism.kind == "none" and not contributions:
+        mechanism = self.mechanism
+        if self.adaptive_clipping is not None:  # this round's C, and the σ_Δ that leaves σ for the noisy count
+            mechanism = dataclasses.replace(mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
+                                            noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        averaged, stats = mechanism.aggregate([c for _, c, _ in contributions], expected_cohort, xis,
+                                              randomness.noise, flat_global.numel(), flat_global.dtype)
+        if not contributions and not self.mechanism.clips:  # a mean of nothing: FedAvg releases nothing
             return None, None
-        record.clipping_norm = settings.clipping_norm
+        record.clipping_norm = mechanism.clipping_norm
         if self.adaptive_clipping is not None:
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
             record.noisy_unclipped_fraction = step.noisy_unclipped_fraction
@@ -413,10 +398,10 @@ class SecureAggregator(Strategy):
         return self.finish_secure_round(server_round, result)
 
     def finish_secure_round(self, server_round: int, result: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        """Noise the unmasked sum on its lattice (central noise), divide by K, apply the update, compose the event.
+        """The mechanism noises the unmasked sum on its lattice, divide by K, apply the update, compose the event.
 
         With distributed noise the unmasked sum carries its contributors' noise
-        and is released as it is: g·S/K.
+        and the mechanism releases it as it is: g·S/K.
         """
         record = self.current
         for sender, reason in result.dropped.items():
@@ -426,13 +411,8 @@ class SecureAggregator(Strategy):
         record.clipping_norm = self.mechanism.clipping_norm
         flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
-        noise = self.secure_aggregation.noise
-        if noise is None:
-            lattice = result.lattice.noise_lattice(flat_global.numel())
-            noisy_sum, sum_std = add_noise(result.levels, self.mechanism, lattice, randomness.noise)
-        else:  # every contributor's noise share is in the sum already: the server adds nothing
-            noisy_sum = result.levels.to(torch.float64) * result.lattice.granularity
-            sum_std = math.sqrt(result.contributors) * noise.local_std * result.lattice.granularity
+        noisy_sum, sum_std = self.mechanism.add_noise(result.levels, result.lattice.noise_lattice(flat_global.numel()),
+                                                      randomness.noise, result.contributors)
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         self.accountant.compose_round()
         new_flat = self._server_step(flat_global, (noisy_sum / expected_cohort).to(flat_global.dtype), server_round,
@@ -476,8 +456,8 @@ class SecureAggregator(Strategy):
         whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
         """
         update_norms, updates_finite = norms_of([r.update for r in results])
-        hog = self.mechanism.kind == "hog"
-        with_terms = [r for r in results if hog and r.term is not None]
+        wants_term = self.mechanism.wants_term
+        with_terms = [r for r in results if wants_term and r.term is not None]
         term_norms, terms_finite = norms_of([r.term for r in with_terms])
         term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
         verdicts: list[Contribution | BadReply] = []
@@ -502,7 +482,7 @@ class SecureAggregator(Strategy):
             raise BadReply(Rejection.TOO_LARGE,
                            f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
                            if math.isfinite(norm) else f"update norm {norm} is not finite")
-        if self.mechanism.kind != "hog":
+        if not self.mechanism.wants_term:
             return Contribution(update=result.update, weight=weight)
         if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
             raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
@@ -555,13 +535,12 @@ class SecureAggregator(Strategy):
         self.summary()
         self.cover_sampler(sum(int(np.prod(a.shape)) for a in initial_arrays.values()))
         self.accountant.plan(num_rounds)  # each round's ε, composed ahead in the background
-        if isinstance(self.accountant, ClientLevelAccountant):
-            tail = self.accountant.sampler_slack(num_rounds).delta
-            if tail > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
-                raise ValueError(
-                    f"noise multiplier {self.accountant.event.noise_multiplier:g} is too small for the noise "
-                    f"sampler's analysis (values within 20 standard deviations): it adds up to {tail:.3g} to "
-                    f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
+        slack = self.accountant.sampler_slack(num_rounds)
+        if slack is not None and slack.delta > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
+            raise ValueError(
+                f"noise multiplier {self.accountant.noise_multiplier:g} is too small for the noise "
+                f"sampler's analysis (values within 20 standard deviations): it adds up to {slack.delta:.3g} to "
+                f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
         runner = runner if runner is not None else MessageRunner(grid)
         result = Result()
         arrays = initial_arrays

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice, add_noise
+from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
 from fedhog.privacy.randomness import SecureBits, SeededBits
 
 
@@ -60,14 +60,14 @@ def measure(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _candidates(size: int, settings: MechanismSettings, lattice: NoiseLattice, zero_sum: torch.Tensor,
+def _candidates(size: int, settings: GaussianMechanism, lattice: NoiseLattice, zero_sum: torch.Tensor,
                 consumed: int) -> dict[str, Callable[[], object]]:
     """The draws a row times, each a call of its own (fresh bits where the real run takes fresh bits)."""
     return {
         "randn32": lambda: torch.randn(size),
         "randn64": lambda: torch.randn(size, dtype=torch.float64),
-        "seeded": lambda: add_noise(zero_sum, settings, lattice, SeededBits(1)),
-        "secure": lambda: add_noise(zero_sum, settings, lattice, SecureBits()),
+        "seeded": lambda: settings.add_noise(zero_sum, lattice, SeededBits(1), 0),
+        "secure": lambda: settings.add_noise(zero_sum, lattice, SecureBits(), 0),
         "keystream": lambda: SecureBits().words(consumed),
         "opacus": lambda: opacus_secure_sampler(size),
     }
@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = MechanismSettings("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
+    settings = GaussianMechanism(clipping_norm=1.0, noise_multiplier=1.0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats}, seconds "
           "(ratio to torch.randn float64)")
     print("| floats | torch.randn float32 | torch.randn float64 | fedhog, seeded | fedhog, OS entropy "
@@ -91,7 +91,7 @@ def main() -> None:
         lattice = NoiseLattice.for_settings(settings, size)
         zero_sum = torch.zeros(size, dtype=torch.int64)
         counter = _CountingBits(SeededBits(1))
-        add_noise(zero_sum, settings, lattice, counter)
+        settings.add_noise(zero_sum, lattice, counter, 0)
         consumed = counter.count
         candidates = _candidates(size, settings, lattice, zero_sum, consumed)
         median = measure(candidates, args.repeats)

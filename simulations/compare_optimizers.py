@@ -27,7 +27,7 @@ GRIDS = {"sgd": (0.03, 0.1, 0.3, 1.0), "hog-step": (0.3, 1.0, 3.0, 10.0)}
 
 def run(optimizer: str, learning_rate: float, seed: int, args: argparse.Namespace) -> dict[str, float]:
     """Train from a seeded initialisation; return final loss, accuracy and seconds per step."""
-    spec = DataSpec(dataset="mnist1d", num_samples=args.samples, partitioner="iid", num_partitions=1,
+    spec = DataSpec(dataset="mnist1d", num_samples=args.samples, partitioner="iid", population=1,
                     validation_fraction=0.0, seed=0)
     train, _ = load_client_data(spec, 0)
     torch.manual_seed(seed)

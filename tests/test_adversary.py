@@ -30,7 +30,7 @@ from fedhog.engines.inprocess import InProcessGrid, run_in_process
 from fedhog.privacy import randomness
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.adaptive_clipping import AdaptiveClipping, AdaptiveClippingSettings
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
+from fedhog.privacy.mechanism import NoiseLattice, build_mechanism
 from fedhog.privacy.randomness import PrivacyRandomness, SecureBits, SeededBits, standard_normal
 from fedhog.server_app import app as server_app
 from fedhog.strategy import SecureAggregator
@@ -162,7 +162,7 @@ def _record(flat: np.ndarray) -> ArrayRecord:
 
 
 def _aggregator(kind: str, adaptive: bool, clip: float) -> SecureAggregator:
-    mechanism = MechanismSettings(kind, clip, 0.0, 0.5 if kind == "hog" else 0.0)
+    mechanism = build_mechanism(kind, clip, 0.0, 0.5 if kind == "hog" else 0.0)
     accountant = ClientLevelAccountant(0.0, "fixed", 1.0, 4, 1e-6, has_guarantee=False)
     clipping = AdaptiveClipping(AdaptiveClippingSettings(clip, count_noise_std=1.0), 0.0) if adaptive else None
     aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(3), "fixed", 1.0,  # q = 1
@@ -202,7 +202,7 @@ def test_any_reply_moves_the_noiseless_release_by_at_most_c(server_identity, upd
     contents = {node: (updates[i], terms[i]) for i, node in enumerate(NODES)}
     full = _release(kind, adaptive, clip, contents)
     assert np.isfinite(full).all()
-    slack = NoiseLattice.for_settings(MechanismSettings(kind, clip, 0.0), NUMEL).rounding_slack
+    slack = NoiseLattice.for_settings(build_mechanism(kind, clip, 0.0), NUMEL).rounding_slack
     float32_rounding = 1e-6 * clip  # the release is cast to the model's float32
     for node in NODES:
         without = _release(kind, adaptive, clip, {n: c for n, c in contents.items() if n != node})

@@ -227,52 +227,51 @@ def test_weaker_noise_is_flagged_end_to_end_through_the_strategy():
 
 
 def test_no_clipping_is_flagged(monkeypatch):
-    real = mechanism.constrain_sensitivity
+    real = mechanism.GaussianMechanism.constrain_sensitivity
 
-    def unclipped(updates, terms, xis, settings):
-        return real(updates, terms, xis, dataclasses.replace(settings, clipping_norm=math.inf))
+    def unclipped(self, updates, terms, xis):
+        return real(dataclasses.replace(self, clipping_norm=math.inf), updates, terms, xis)
 
-    monkeypatch.setattr(mechanism, "constrain_sensitivity", unclipped)
+    monkeypatch.setattr(mechanism.GaussianMechanism, "constrain_sensitivity", unclipped)
     assert _violated(small_audit())
 
 
 def test_noise_reused_across_rounds_is_flagged(monkeypatch):
-    real, drawn = mechanism.add_noise, {}
+    real, drawn = mechanism.GaussianMechanism.add_noise, {}
 
-    def reused(levels, settings, lattice, bits):
+    def reused(self, levels, lattice, bits, contributors):
         if lattice.dimension not in drawn:  # the first round's noise, again every round
-            drawn[lattice.dimension] = real(torch.zeros_like(levels), settings, lattice, bits)
+            drawn[lattice.dimension] = real(self, torch.zeros_like(levels), lattice, bits, contributors)
         noise, std = drawn[lattice.dimension]
         return levels.to(torch.float64) * lattice.granularity + noise, std
 
-    monkeypatch.setattr(mechanism, "add_noise", reused)
+    monkeypatch.setattr(mechanism.GaussianMechanism, "add_noise", reused)
     result = small_audit()
     assert _violated(result) and result.threat_models["every-round"].statistic == "centred-sum"
 
 
 def test_the_same_noise_on_every_coordinate_pair_is_flagged(monkeypatch):
-    real = mechanism.add_noise
+    real = mechanism.GaussianMechanism.add_noise
 
-    def paired(levels, settings, lattice, bits):
+    def paired(self, levels, lattice, bits, contributors):
         half = dataclasses.replace(lattice, dimension=lattice.dimension // 2)
-        noise, std = real(torch.zeros(half.dimension, dtype=torch.int64), settings, half, bits)
+        noise, std = real(self, torch.zeros(half.dimension, dtype=torch.int64), half, bits, contributors)
         return levels.to(torch.float64) * lattice.granularity + noise.repeat_interleave(2), std
 
-    monkeypatch.setattr(mechanism, "add_noise", paired)
+    monkeypatch.setattr(mechanism.GaussianMechanism, "add_noise", paired)
     assert _violated(small_audit())
 
 
 def test_a_leaked_per_client_norm_is_flagged(monkeypatch):
     """HOG mixing done after clipping with the raw ‖Δ‖: the term's length carries each client's norm."""
-    real = mechanism.constrain_sensitivity
-
-    def mixed_after_clipping(updates, terms, xis, settings):
-        rows, stats = real(updates, None, xis, dataclasses.replace(settings, kind="gaussian"))
+    def mixed_after_clipping(self, updates, terms, xis):
+        clip_only = mechanism.GaussianMechanism(self.clipping_norm, self.noise_multiplier)
+        rows, stats = clip_only.constrain_sensitivity(updates, None, xis)
         raw = torch.linalg.vector_norm(updates.to(torch.float64), dim=1, keepdim=True)
         unit = terms.to(torch.float64) / torch.linalg.vector_norm(terms.to(torch.float64), dim=1, keepdim=True)
-        return rows + settings.mixing_strength * xis.to(torch.float64)[:, None] * raw * unit, stats
+        return rows + self.mixing_strength * xis.to(torch.float64)[:, None] * raw * unit, stats
 
-    monkeypatch.setattr(mechanism, "constrain_sensitivity", mixed_after_clipping)
+    monkeypatch.setattr(mechanism.HogMechanism, "constrain_sensitivity", mixed_after_clipping)
     assert _violated(small_audit(config={"mechanism": "hog"}))
 
 

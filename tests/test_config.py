@@ -28,6 +28,21 @@ def test_pyproject_defaults_equal_runconfig_defaults():
         assert type(value) is type(defaults[key]), f"{key}: {type(value).__name__} vs {type(defaults[key]).__name__}"
 
 
+def test_the_data_spec_is_the_configs_data_fields_under_the_same_names_and_defaults():
+    """RunConfig is the one source of a run's DataSpec: every spec field but test_fraction is a config field."""
+    from fedhog.data import DataSpec
+
+    spec_defaults = {f.name: f.default for f in fields(DataSpec)}
+    config_defaults = {f.name: f.default for f in fields(RunConfig)}
+    assert set(spec_defaults) - set(config_defaults) == {"test_fraction"}
+    assert {name: config_defaults[name] for name in spec_defaults if name != "test_fraction"} == {
+        name: value for name, value in spec_defaults.items() if name != "test_fraction"}
+    config = RunConfig().with_overrides({"population": 40, "dirichlet-alpha": 0.25, "classes-per-client": 3,
+                                         "validation-fraction": 0.2, "seed": 4})
+    assert config.data_spec == DataSpec(population=40, dirichlet_alpha=0.25, classes_per_client=3,
+                                        validation_fraction=0.2, seed=4)
+
+
 def test_pyproject_loads_to_the_default_config():
     assert load_config(PYPROJECT) == RunConfig()
     assert RunConfig.from_mapping(pyproject_config()) == RunConfig()

@@ -17,11 +17,11 @@ from fedhog.data import (
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_cache")
-SPEC = DataSpec(dataset="mnist1d", num_samples=2000, num_partitions=20, seed=0)
+SPEC = DataSpec(dataset="mnist1d", num_samples=2000, population=20, seed=0)
 
 
 def all_clients(spec):
-    return [load_client_data(spec, i) for i in range(spec.num_partitions)]
+    return [load_client_data(spec, i) for i in range(spec.population)]
 
 
 def rows(x):
@@ -119,18 +119,18 @@ def test_validation_split_per_client():
 
 def test_dirichlet_more_heterogeneous_than_iid():
     iid = label_skew(replace(SPEC, partitioner="iid"))
-    dirichlet = label_skew(replace(SPEC, partitioner="dirichlet", alpha=0.1))
+    dirichlet = label_skew(replace(SPEC, partitioner="dirichlet", dirichlet_alpha=0.1))
     assert dirichlet > iid + 0.3
 
 
 def test_pathological_at_most_k_classes():
-    spec = replace(SPEC, partitioner="pathological", classes_per_partition=2)
+    spec = replace(SPEC, partitioner="pathological", classes_per_client=2)
     for train, val in all_clients(spec):
         assert len(np.unique(np.concatenate([train.y, val.y]))) <= 2
 
 
 def test_many_small_clients_all_get_training_data():
-    spec = replace(SPEC, num_partitions=1000, alpha=0.1, validation_fraction=0.5)
+    spec = replace(SPEC, population=1000, dirichlet_alpha=0.1, validation_fraction=0.5)
     sizes = [len(t) for t, _ in all_clients(spec)]
     assert min(sizes) >= 1 and sum(sizes) > 0
     _train, val = load_client_data(spec, int(np.argmin(sizes)))
@@ -138,8 +138,8 @@ def test_many_small_clients_all_get_training_data():
 
 
 def test_more_partitions_than_examples_is_an_error():
-    with pytest.raises(ValueError, match="num_partitions=1700"):
-        load_client_data(replace(SPEC, num_partitions=1700), 0)
+    with pytest.raises(ValueError, match="population=1700"):
+        load_client_data(replace(SPEC, population=1700), 0)
 
 
 def test_digits_scaled_to_unit_interval():
@@ -149,7 +149,7 @@ def test_digits_scaled_to_unit_interval():
 
 
 def test_synthetic_shapes_labels_and_determinism():
-    spec = DataSpec(dataset="synthetic", num_partitions=30, seed=0)
+    spec = DataSpec(dataset="synthetic", population=30, seed=0)
     clients = all_clients(spec)
     test = load_test_set(spec)
     sizes = [len(t) + len(v) for t, v in clients]
@@ -165,11 +165,11 @@ def test_synthetic_shapes_labels_and_determinism():
 
 def test_synthetic_heterogeneity_grows_with_beta():
     def mean_spread(dataset):
-        spec = DataSpec(dataset=dataset, num_partitions=30, seed=0)
+        spec = DataSpec(dataset=dataset, population=30, seed=0)
         return np.std([t.x.mean() for t, _ in all_clients(spec)])
 
     assert mean_spread("synthetic:0,1") > 3 * mean_spread("synthetic:0,0")
-    assert label_skew(DataSpec(dataset="synthetic:1,1", num_partitions=30)) > 0.5
+    assert label_skew(DataSpec(dataset="synthetic:1,1", population=30)) > 0.5
 
 
 @pytest.mark.parametrize(
@@ -179,10 +179,10 @@ def test_synthetic_heterogeneity_grows_with_beta():
         ("dataset", "synthetic:1"),
         ("dataset", "hf:"),
         ("partitioner", "shards"),
-        ("alpha", 0.0),
-        ("num_partitions", 0),
+        ("dirichlet_alpha", 0.0),
+        ("population", 0),
         ("num_samples", 5),
-        ("classes_per_partition", 0),
+        ("classes_per_client", 0),
         ("validation_fraction", 1.0),
         ("test_fraction", 0.0),
         ("test_fraction", 1.5),
@@ -201,5 +201,5 @@ def test_partition_id_out_of_range(partition_id):
 
 
 def test_pathological_more_classes_than_dataset_has():
-    with pytest.raises(ValueError, match="classes_per_partition=11"):
-        load_client_data(replace(SPEC, partitioner="pathological", classes_per_partition=11), 0)
+    with pytest.raises(ValueError, match="classes_per_client=11"):
+        load_client_data(replace(SPEC, partitioner="pathological", classes_per_client=11), 0)

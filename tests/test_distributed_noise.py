@@ -31,6 +31,7 @@ from fedhog.privacy.distributed_gaussian import (
     l1_sensitivity,
     log_tau,
 )
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import SecureBits, SeededBits, discrete_gaussian
 from fedhog.secure_aggregation.distributed_noise import DistributedNoise, plan_distributed_noise
 from fedhog.secure_aggregation.quantization import WRAP_STDS, ModularLattice
@@ -222,7 +223,7 @@ def test_the_server_unmasks_only_a_noised_sum_and_adds_no_noise(tmp_path, monkey
     def no_server_noise(*args, **kwargs):
         raise AssertionError("the server added noise")
 
-    monkeypatch.setattr("fedhog.strategy.add_noise", no_server_noise)
+    monkeypatch.setattr(GaussianMechanism, "add_noise", no_server_noise)  # the central noise of gaussian and hog
     metrics, model, grid = _run(tmp_path, "noised")
     _, initial, _ = _run(tmp_path, "initial", **{"max-epsilon": 1e-9})  # stops before round 1
     record, privacy = metrics["rounds"][0], metrics["privacy"]
@@ -297,3 +298,38 @@ def test_fixed_size_cohorts_are_accounted_replace_one_without_amplification():
     fixed = plan_distributed_noise(1.0, 100, 32, 50, 0.66, 1, 1e-3, 0.0, 1.0)
     assert fixed.accounting.l2 == 2 * fixed.l2_sensitivity and fixed.shares == 33
     assert fixed.accountant_noise_multiplier == pytest.approx(fixed.noise_multiplier / 2) == pytest.approx(0.5)
+
+
+# --- the mechanism object -------------------------------------------------------------------------------------
+def _distributed_config() -> RunConfig:
+    return RunConfig().with_overrides({"population": 10, "sampling": "fixed", "sampling-rate": 1.0, "rounds": 2,
+                                       "clipping-norm": 0.5, "noise-multiplier": 0.5, "secure-aggregation": "secagg+",
+                                       "noise": "distributed", "delta": 1e-3, "mechanism": "hog"})
+
+
+def test_the_distributed_mechanism_adds_each_clients_share_and_the_server_nothing():
+    config = _distributed_config()
+    mechanism = config.mechanism_for(650)
+    lattice, plan = config.secure_plan(650)
+    assert mechanism.plan is plan and mechanism.has_guarantee and mechanism.wants_term  # the inner hog's
+    levels = np.arange(650, dtype=np.int64)
+    share = mechanism.noise_share(levels, SeededBits(5, (1, 1))) - levels
+    np.testing.assert_array_equal(share, plan.sample(SeededBits(5, (1, 1))))  # the plan's draw from that stream
+    assert np.count_nonzero(share) > 0.9 * share.size
+    total = torch.from_numpy(levels)
+    released, std = mechanism.add_noise(total, lattice.noise_lattice(650), SeededBits(6), 7)
+    assert torch.equal(released, total.to(torch.float64) * lattice.granularity)  # exactly g·S: no server noise
+    assert std == math.sqrt(7) * plan.local_std * lattice.granularity
+    with pytest.raises(ValueError, match="secure aggregation only"):
+        mechanism.aggregate([], 10, [], SeededBits(1), 650)
+
+
+def test_the_ddg_accountants_noise_multiplier_is_the_plans_as_accounted():
+    """What metrics.json records as accountant_noise_multiplier: the m shares' std over 2Δ₂, as the plan says."""
+    config = _distributed_config()
+    plan = config.secure_plan(650)[1]
+    accountant = config.mechanism_for(650).accountant(config.sampling, config.sampling_rate, config.population,
+                                                      config.delta, config.accountant)
+    assert accountant.method == "ddg-rdp" and accountant.sampler_slack(config.rounds) is None
+    assert accountant.noise_multiplier == plan.accountant_noise_multiplier  # the same float
+    assert accountant.noise_multiplier == pytest.approx(plan.noise_multiplier / 2, rel=1e-15)

@@ -23,7 +23,7 @@ from fedhog.config import ConfigError, RunConfig
 from fedhog.data import ArrayData, load_digits
 from fedhog.dpsgd import DpSgdSettings, lattice_noisy_sum, record_privacy, train_dpsgd
 from fedhog.models import build_model
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
+from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
 from fedhog.privacy.randomness import SecureBits, SeededBits, sampler_log_ratio_bound
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's dropped-RDP-order warnings
@@ -56,7 +56,7 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _lattice(sigma: float, clip: float, dimension: int) -> NoiseLattice:
-    return NoiseLattice.for_settings(MechanismSettings("gaussian", clip, sigma), dimension)
+    return NoiseLattice.for_settings(GaussianMechanism(clip, sigma), dimension)
 
 
 def assert_std(samples: np.ndarray, std: float) -> None:

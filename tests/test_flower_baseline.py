@@ -88,3 +88,22 @@ def test_baseline_takes_fedhogs_dp_fedavg_step(tmp_path):
         torch.testing.assert_close(flower_model[key].to(value.dtype), value, rtol=1e-5, atol=1e-6)
     assert [r["accuracy"] for r in flower["rounds"]] == pytest.approx([r["accuracy"] for r in fedhog["rounds"]],
                                                                      abs=1e-3)
+
+
+def test_the_baselines_aggregator_fixes_only_config_keys_and_its_runs_cannot_be_resumed(tmp_path, capsys):
+    """What the registry says of flower-dp is what the config, the ClientApp and --resume do with it."""
+    from pathlib import Path
+
+    from fedhog import cli
+    from fedhog.aggregators import AGGREGATOR_REGISTRY, aggregator_of
+    from fedhog.results import ResultsWriter
+
+    flower = AGGREGATOR_REGISTRY["flower-dp"]
+    assert set(flower.requires) <= set(RunConfig().to_mapping())  # every key it fixes is a config key
+    config = RunConfig().with_overrides({**SMALL, "aggregator": "flower-dp", **flower.requires,
+                                         "results-dir": str(tmp_path / "run")})
+    assert aggregator_of(config) is flower and not flower.wants_term(config)
+    assert not flower.resumable and AGGREGATOR_REGISTRY["fedhog"].resumable
+    ResultsWriter(Path(config.results_dir), config).update(status="interrupted", rounds=[{"round": 1}])
+    assert cli.main(["run", "--resume", config.results_dir]) == 2
+    assert "aggregator='flower-dp' writes no checkpoints, so its runs cannot be resumed" in capsys.readouterr().err

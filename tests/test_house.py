@@ -55,14 +55,17 @@ def test_the_probe_sees_a_heavy_import() -> None:
 def test_choices_are_what_the_implementations_offer() -> None:
     from opacus.accountants import create_accountant
 
-    from fedhog import models
+    from fedhog import aggregators, models
     from fedhog.privacy import accounting, mechanism, sampling
 
     assert tuple(models.ACTIVATIONS) == choices.ACTIVATIONS
     assert choices.DEFAULT_ACTIVATION in choices.ACTIVATIONS
-    assert typing.get_args(mechanism.MechanismKind) == choices.MECHANISMS
+    assert tuple(mechanism.MECHANISM_REGISTRY) == choices.MECHANISMS
+    assert tuple(n for n, kind in mechanism.MECHANISM_REGISTRY.items() if kind.clips) == choices.CLIPPING_MECHANISMS
+    assert tuple(n for n, kind in mechanism.MECHANISM_REGISTRY.items() if kind.wants_term) == choices.TERM_MECHANISMS
     assert typing.get_args(sampling.SamplingKind) == choices.SAMPLING_METHODS
     assert tuple(accounting.ACCOUNTANT_REGISTRY) == choices.ACCOUNTANTS
+    assert tuple(aggregators.AGGREGATOR_REGISTRY) == choices.AGGREGATORS
     for name in choices.DPSGD_ACCOUNTANTS:  # Opacus builds each DP-SGD accountant by this name
         assert create_accountant(name).mechanism() == name
 

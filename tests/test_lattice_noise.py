@@ -21,7 +21,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice, add_noise
+from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
 from fedhog.privacy.randomness import (
     EXP_ULPS,
     SecureBits,
@@ -78,7 +78,7 @@ def test_the_trusted_servers_noise_has_no_hole_a_neighbour_one_step_away_could_e
     For every output o = S + n with (n₁, n₂) a pair near zero, o − S′ = n − e₁ must be drawable too
     (Box–Muller rounded onto this lattice could produce no pair within 2¹⁴ steps of zero).
     """
-    settings = MechanismSettings("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
+    settings = GaussianMechanism(clipping_norm=1.0, noise_multiplier=1.0)
     lattice = NoiseLattice.for_settings(settings, 2)
     std_steps = lattice.sum_std(settings) / lattice.granularity
     assert std_steps > 2.0**40
@@ -87,7 +87,7 @@ def test_the_trusted_servers_noise_has_no_hole_a_neighbour_one_step_away_could_e
         output = s + torch.tensor(pair)
         for neighbour in (s, s + torch.tensor([1, 0])):  # both datasets reach the output: finite privacy loss
             rigged = Rigged([_word_for(int(v), std_steps) for v in output - neighbour])
-            released, _ = add_noise(neighbour, settings, lattice, rigged)
+            released, _ = settings.add_noise(neighbour, lattice, rigged, 1)
             assert torch.equal(torch.round(released / lattice.granularity).to(torch.int64), output)
 
 

@@ -13,10 +13,8 @@ from scipy import stats as scipy_stats
 from fedhog.privacy.mechanism import (
     CLIP_GUARD,
     Contribution,
-    MechanismSettings,
     NoiseLattice,
-    aggregate,
-    constrain_sensitivity,
+    build_mechanism,
     sampler_slack,
 )
 from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits, sampler_log_ratio_bound
@@ -37,20 +35,20 @@ class One(NamedTuple):
 
 
 def constrain_one(update, term, xi, settings_):
-    """constrain_sensitivity on one contribution: a batch of one row."""
-    out, stats = constrain_sensitivity(update[None], None if term is None else term[None],
-                                       torch.tensor([xi], dtype=F64), settings_)
+    """The mechanism's constrain_sensitivity on one contribution: a batch of one row."""
+    out, stats = settings_.constrain_sensitivity(update[None], None if term is None else term[None],
+                                                 torch.tensor([xi], dtype=F64))
     assert out.shape == (1, update.numel())
     return out[0], One(stats.norms_before_clip[0], stats.clipped[0], stats.mixing_ratios[0])
 
 
 def mixed(update, term, gamma, xi, clip=1e9):
     """u = Δ + γξ(‖Δ‖/‖t‖)t, with a clipping norm too large to act."""
-    return constrain_one(update, term, xi, MechanismSettings("hog", clip, 0.0, gamma))
+    return constrain_one(update, term, xi, build_mechanism("hog", clip, 0.0, gamma))
 
 
 def clip_only(vector, clip):
-    return constrain_one(vector, None, 0.0, MechanismSettings("gaussian", clip, 0.0))
+    return constrain_one(vector, None, 0.0, build_mechanism("gaussian", clip, 0.0))
 
 
 # --- the mixing ---------------------------------------------------------------
@@ -98,9 +96,9 @@ def test_zero_term_zero_update_or_zero_gamma_leave_the_update():
 
 def test_hog_needs_a_term_and_none_constrains_nothing():
     with pytest.raises(ValueError, match="third-order term"):
-        constrain_one(t64(1, 0), None, 0.1, MechanismSettings("hog", 1.0, 0.0, 1.0))
+        constrain_one(t64(1, 0), None, 0.1, build_mechanism("hog", 1.0, 0.0, 1.0))
     with pytest.raises(ValueError, match="does not constrain"):
-        constrain_one(t64(1, 0), None, 0.0, MechanismSettings("none", 1.0, 0.0))
+        constrain_one(t64(1, 0), None, 0.0, build_mechanism("none", 1.0, 0.0))
     with pytest.raises(ValueError, match="NaN or inf"):
         clip_only(t64(1, math.inf), 1.0)
 
@@ -172,7 +170,7 @@ def test_any_finite_float32_contribution_is_finite_and_inside_the_ball(update, t
     """Huge, subnormal and zero float32 entries: the output is finite and ‖c‖ ≤ C, mixing or not."""
     delta = torch.tensor(update, dtype=torch.float32)
     t = torch.tensor(term[:len(update)], dtype=torch.float32)
-    for settings_ in (MechanismSettings("gaussian", clip, 1.0), MechanismSettings("hog", clip, 1.0, gamma)):
+    for settings_ in (build_mechanism("gaussian", clip, 1.0), build_mechanism("hog", clip, 1.0, gamma)):
         out, stats = constrain_one(delta, t, xi, settings_)
         assert out.dtype == F64 and bool(torch.isfinite(out).all())
         assert math.hypot(*out.tolist()) <= clip
@@ -184,13 +182,13 @@ def test_any_finite_float32_contribution_is_finite_and_inside_the_ball(update, t
 
 def test_lattice_granularity_is_a_power_of_two_about_2_to_the_minus_40_of_the_noise():
     for sigma, clip in ((1.0, 1.0), (0.3, 2.0), (7.0, 0.5), (0.0, 3.0), (1e3, 1e-2)):
-        lattice = NoiseLattice.for_settings(MechanismSettings("gaussian", clip, sigma), 1000)
+        lattice = NoiseLattice.for_settings(build_mechanism("gaussian", clip, sigma), 1000)
         g = lattice.granularity
         assert math.log2(g) == int(math.log2(g))
         scale = clip * max(sigma, 1.0)
         assert 2.0**-41 * scale < g <= 2.0**-40 * scale
         assert lattice.rounding_slack == pytest.approx(g * math.sqrt(1000) / 2, rel=1e-15)
-        assert lattice.sum_std(MechanismSettings("gaussian", clip, sigma)) == sigma * (clip + lattice.rounding_slack)
+        assert lattice.sum_std(build_mechanism("gaussian", clip, sigma)) == sigma * (clip + lattice.rounding_slack)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
@@ -206,10 +204,10 @@ def test_quantize_moves_each_entry_by_at_most_half_a_step(values):
 
 def test_release_is_a_lattice_point_whatever_the_data():
     """Mironov's attack reads x from the low bits of x + noise; here every output is g × an integer."""
-    settings_ = MechanismSettings("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
+    settings_ = build_mechanism("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
     lattice = NoiseLattice.for_settings(settings_, 64)
     for data in (t64(*([0.1] * 64)), t64(*([0.1 + 1e-13] * 64)), torch.linspace(-0.05, 0.05, 64, dtype=F64)):
-        out, _ = aggregate([Contribution(data)], settings_, 1, [0.0], SeededBits(9), 64, F64)
+        out, _ = settings_.aggregate([Contribution(data)], 1, [0.0], SeededBits(9), 64, F64)
         steps = out / lattice.granularity
         assert torch.equal(steps, torch.round(steps))
 
@@ -234,7 +232,7 @@ def test_sampler_slack_closed_form():
 
 
 def gaussian(sigma=0.0, clip=1.0):
-    return MechanismSettings(kind="gaussian", clipping_norm=clip, noise_multiplier=sigma)
+    return build_mechanism("gaussian", clipping_norm=clip, noise_multiplier=sigma)
 
 
 def lattice_atol(settings_, numel=2):
@@ -244,7 +242,7 @@ def lattice_atol(settings_, numel=2):
 def test_gaussian_aggregate_without_noise_hand_example():
     # u1 = (3, 4), ‖u1‖ = 5 > C = 1 → (0.6, 0.8); u2 = (0.3, 0.4) unchanged; K = 4 (not 2!)
     contributions = [Contribution(t64(3, 4), 10), Contribution(t64(0.3, 0.4), 1000)]
-    out, stats = aggregate(contributions, gaussian(), 4, [0.0, 0.0], SeededBits(0), 2, F64)
+    out, stats = gaussian().aggregate(contributions, 4, [0.0, 0.0], SeededBits(0), 2, F64)
     torch.testing.assert_close(out, t64(0.9 / 4, 1.2 / 4), rtol=0, atol=lattice_atol(gaussian()))
     assert stats.num_contributions == 2
     assert stats.fraction_clipped == 0.5
@@ -255,21 +253,21 @@ def test_gaussian_aggregate_without_noise_hand_example():
 def test_gaussian_aggregate_ignores_weights_and_xis():
     a = [Contribution(t64(1, 0), 1), Contribution(t64(0, 1), 1)]
     b = [Contribution(t64(1, 0), 500), Contribution(t64(0, 1), 3)]
-    out_a, _ = aggregate(a, gaussian(clip=10), 2, [0.0, 0.0], SeededBits(0), 2, F64)
-    out_b, _ = aggregate(b, gaussian(clip=10), 2, [5.0, -3.0], SeededBits(0), 2, F64)
+    out_a, _ = gaussian(clip=10).aggregate(a, 2, [0.0, 0.0], SeededBits(0), 2, F64)
+    out_b, _ = gaussian(clip=10).aggregate(b, 2, [5.0, -3.0], SeededBits(0), 2, F64)
     assert torch.equal(out_a, out_b)
     torch.testing.assert_close(out_a, t64(0.5, 0.5), rtol=0, atol=0)
 
 
 def test_hog_aggregate_without_noise_hand_example():
-    settings_ = MechanismSettings(kind="hog", clipping_norm=2.0, noise_multiplier=0.0, mixing_strength=0.5)
+    settings_ = build_mechanism("hog", clipping_norm=2.0, noise_multiplier=0.0, mixing_strength=0.5)
     contributions = [
         # Δ=(3,4), t=(0,2), ξ=-1.2 → u=(3,1), ‖u‖=√10 > 2 → (6/√10, 2/√10); mixing ratio 0.5·1.2 = 0.6
         Contribution(t64(3, 4), 7, term=t64(0, 2)),
         # Δ=(1,0), t=(0,-3), ξ=2 → scale 0.5·2·1/3 = 1/3 → u=(1,-1), ‖u‖=√2 ≤ 2 unchanged; ratio 1.0
         Contribution(t64(1, 0), 9, term=t64(0, -3)),
     ]
-    out, stats = aggregate(contributions, settings_, 4, [-1.2, 2.0], SeededBits(0), 2, F64)
+    out, stats = settings_.aggregate(contributions, 4, [-1.2, 2.0], SeededBits(0), 2, F64)
     r10 = math.sqrt(10)
     torch.testing.assert_close(out, t64((6 / r10 + 1) / 4, (2 / r10 - 1) / 4), rtol=0,
                                atol=lattice_atol(settings_))
@@ -280,19 +278,19 @@ def test_hog_aggregate_without_noise_hand_example():
 
 
 def test_hog_uses_the_xi_given_for_each_contribution():
-    settings_ = MechanismSettings(kind="hog", clipping_norm=100.0, noise_multiplier=0.0, mixing_strength=1.0)
+    settings_ = build_mechanism("hog", clipping_norm=100.0, noise_multiplier=0.0, mixing_strength=1.0)
     contributions = [Contribution(t64(1, 0), 1, term=t64(0, 1)), Contribution(t64(0, 2), 1, term=t64(1, 0))]
-    out, _ = aggregate(contributions, settings_, 1, [3.0, -0.5], SeededBits(0), 2, F64)
+    out, _ = settings_.aggregate(contributions, 1, [3.0, -0.5], SeededBits(0), 2, F64)
     # u1 = (1, 3), u2 = (-1, 2)
     torch.testing.assert_close(out, t64(0.0, 5.0), rtol=0, atol=2 * lattice_atol(settings_))
 
 
 def test_hog_requires_terms_and_one_xi_per_contribution():
-    settings_ = MechanismSettings(kind="hog", clipping_norm=1.0, noise_multiplier=0.0, mixing_strength=1.0)
+    settings_ = build_mechanism("hog", clipping_norm=1.0, noise_multiplier=0.0, mixing_strength=1.0)
     with pytest.raises(ValueError, match="third-order term"):
-        aggregate([Contribution(t64(1, 0), 1)], settings_, 1, [0.1], SeededBits(0), 2, F64)
+        settings_.aggregate([Contribution(t64(1, 0), 1)], 1, [0.1], SeededBits(0), 2, F64)
     with pytest.raises(ValueError, match="one ξ per contribution"):
-        aggregate([Contribution(t64(1, 0), 1, term=t64(0, 1))], settings_, 1, [], SeededBits(0), 2, F64)
+        settings_.aggregate([Contribution(t64(1, 0), 1, term=t64(0, 1))], 1, [], SeededBits(0), 2, F64)
 
 
 class CountingBits:
@@ -307,10 +305,10 @@ class CountingBits:
 
 
 def test_none_is_weighted_mean_without_clipping_or_noise():
-    settings_ = MechanismSettings(kind="none", clipping_norm=0.1, noise_multiplier=5.0)
+    settings_ = build_mechanism("none", clipping_norm=0.1, noise_multiplier=5.0)
     contributions = [Contribution(t64(1, 2), 10), Contribution(t64(4, -1), 30)]
     bits = CountingBits()
-    out, stats = aggregate(contributions, settings_, 1000, [], bits, 2, F64)
+    out, stats = settings_.aggregate(contributions, 1000, [], bits, 2, F64)
     # (10·(1,2) + 30·(4,-1)) / 40 = (3.25, -0.25): norms far above C = 0.1, no clipping, no /K
     torch.testing.assert_close(out, t64(3.25, -0.25), rtol=0, atol=1e-15)
     assert bits.drawn == 0  # no noise drawn
@@ -319,7 +317,7 @@ def test_none_is_weighted_mean_without_clipping_or_noise():
 
 
 def test_aggregate_returns_requested_dtype():
-    out, _ = aggregate([Contribution(t64(1, 2), 1)], gaussian(clip=10), 1, [0.0], SeededBits(0), 2, torch.float32)
+    out, _ = gaussian(clip=10).aggregate([Contribution(t64(1, 2), 1)], 1, [0.0], SeededBits(0), 2, torch.float32)
     assert out.dtype == torch.float32
 
 
@@ -331,9 +329,9 @@ ALPHA = 1e-9  # probability that a correct implementation fails one of these che
 
 def noise_of(contributions, sigma, clip, k, seed, numel=NUMEL):
     """The noise part of the release: output with σ minus output with σ = 0 (same lattice)."""
-    settings_ = MechanismSettings(kind="gaussian", clipping_norm=clip, noise_multiplier=sigma)
+    settings_ = build_mechanism("gaussian", clipping_norm=clip, noise_multiplier=sigma)
     xis = [0.0] * len(contributions)
-    noisy, stats = aggregate(contributions, settings_, k, xis, SeededBits(seed), numel, F64)
+    noisy, stats = settings_.aggregate(contributions, k, xis, SeededBits(seed), numel, F64)
     lattice = NoiseLattice.for_settings(settings_, numel)
     clean = sum(lattice.quantize(constrain_one(c.update, None, 0.0, settings_)[0]) for c in contributions)
     return (noisy - clean.to(F64) * lattice.granularity / k).numpy(), stats
@@ -373,17 +371,17 @@ def test_noise_std_is_sigma_times_sensitivity_over_k(sigma, clip, k):
 
 
 def test_empty_round_releases_pure_noise():
-    settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.5, noise_multiplier=1.2)
-    out, stats = aggregate([], settings_, 8, [], SeededBits(7), NUMEL, F64)
+    settings_ = build_mechanism("gaussian", clipping_norm=1.5, noise_multiplier=1.2)
+    out, stats = settings_.aggregate([], 8, [], SeededBits(7), NUMEL, F64)
     assert stats.num_contributions == 0
     assert_std(out.numpy(), stats.noise_std)
     assert stats.noise_std == pytest.approx(1.2 * 1.5 / 8, rel=1e-9)
 
 
 def test_noise_is_independent_across_coordinates_and_streams():
-    settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.0, noise_multiplier=1.0)
-    first, _ = aggregate([], settings_, 1, [], SeededBits(99, (1, 2)), NUMEL, F64)
-    second, _ = aggregate([], settings_, 1, [], SeededBits(99, (2, 2)), NUMEL, F64)
+    settings_ = build_mechanism("gaussian", clipping_norm=1.0, noise_multiplier=1.0)
+    first, _ = settings_.aggregate([], 1, [], SeededBits(99, (1, 2)), NUMEL, F64)
+    second, _ = settings_.aggregate([], 1, [], SeededBits(99, (2, 2)), NUMEL, F64)
     # correlation of two independent N(0,1) vectors: ~N(0, 1/n)
     corr = float(torch.dot(first, second)) / NUMEL
     assert abs(corr) * math.sqrt(NUMEL) < scipy_stats.norm.isf(ALPHA / 2)
@@ -392,14 +390,14 @@ def test_noise_is_independent_across_coordinates_and_streams():
 
 
 def test_noise_comes_only_from_the_stream_given():
-    settings_ = MechanismSettings(kind="hog", clipping_norm=1.0, noise_multiplier=1.0, mixing_strength=0.5)
+    settings_ = build_mechanism("hog", clipping_norm=1.0, noise_multiplier=1.0, mixing_strength=0.5)
     contributions = [Contribution(t64(1, 2, 3), 1, term=t64(0, 1, 0))]
 
     def run(privacy_seed, global_seed):
         torch.manual_seed(global_seed)
         np.random.seed(global_seed)
         torch_state, numpy_state = torch.get_rng_state(), np.random.get_state()
-        out, _ = aggregate(contributions, settings_, 2, [0.3], SeededBits(privacy_seed), 3, F64)
+        out, _ = settings_.aggregate(contributions, 2, [0.3], SeededBits(privacy_seed), 3, F64)
         # the global generators were neither read nor advanced
         assert torch.equal(torch.get_rng_state(), torch_state)
         after = np.random.get_state()
@@ -416,8 +414,8 @@ def test_noise_comes_only_from_the_stream_given():
 def test_stats_hand_example_with_noise():
     # three contributions, norms 5, 1, 0.5 with C = 1 → clipped fraction 1/3 (norm == C is not clipped)
     contributions = [Contribution(t64(3, 4), 1), Contribution(t64(0, 1), 1), Contribution(t64(0.5, 0), 1)]
-    settings_ = MechanismSettings(kind="gaussian", clipping_norm=1.0, noise_multiplier=0.8)
-    _, stats = aggregate(contributions, settings_, 10, [0.0] * 3, SeededBits(0), 2, F64)
+    settings_ = build_mechanism("gaussian", clipping_norm=1.0, noise_multiplier=0.8)
+    _, stats = settings_.aggregate(contributions, 10, [0.0] * 3, SeededBits(0), 2, F64)
     assert stats.fraction_clipped == pytest.approx(1 / 3)
     assert stats.noise_std == pytest.approx(0.8 * 1.0 / 10, rel=1e-9)
     assert stats.mean_norm_before_clip == pytest.approx((5 + 1 + 0.5) / 3)
@@ -435,9 +433,48 @@ def test_a_batch_constrains_each_row_as_if_alone():
     terms = torch.randn(7, 30, generator=gen, dtype=F64)
     terms[2] = 0.0
     xis = torch.tensor([0.3, -1.2, 2.0, 0.0, 0.7, 1.1, -0.4], dtype=F64)
-    settings_ = MechanismSettings("hog", 1.5, 0.0, 0.6)
-    batch, stats = constrain_sensitivity(updates, terms, xis, settings_)
+    settings_ = build_mechanism("hog", 1.5, 0.0, 0.6)
+    batch, stats = settings_.constrain_sensitivity(updates, terms, xis)
     for r in range(7):
         alone, one = constrain_one(updates[r], terms[r], float(xis[r]), settings_)
         torch.testing.assert_close(batch[r], alone, rtol=0, atol=0)
         assert (stats.norms_before_clip[r], stats.clipped[r], stats.mixing_ratios[r]) == tuple(one)
+
+
+# --- the mechanisms as objects ---------------------------------------------------------------------------------
+
+
+def test_the_registry_builds_each_mechanism_and_refuses_others():
+    none, gaussian_, hog = (build_mechanism(name, 1.5, 0.7, 0.3) for name in ("none", "gaussian", "hog"))
+    assert (none.name, gaussian_.name, hog.name) == ("none", "gaussian", "hog")
+    assert (none.clips, gaussian_.clips, hog.clips) == (False, True, True)
+    assert (none.wants_term, gaussian_.wants_term, hog.wants_term) == (False, False, True)
+    assert (none.has_guarantee, gaussian_.has_guarantee, build_mechanism("gaussian", 1.5, 0.0).has_guarantee) == (
+        False, True, False)
+    assert hog.mixing_strength == 0.3 and not hasattr(gaussian_, "mixing_strength")  # γ is hog's only
+    assert "γ=0.3" in hog.describe() and "C=1.5" in gaussian_.describe() and "ε = ∞" in none.describe()
+    with pytest.raises(ValueError, match="mechanism='laplace' must be one of"):
+        build_mechanism("laplace", 1.0)
+    with pytest.raises(ValueError, match="adds no noise"):
+        none.add_noise(torch.zeros(2, dtype=torch.int64), NoiseLattice(1.0, 2), SeededBits(0), 1)
+
+
+def test_xis_are_drawn_per_slot_only_where_there_is_mixing():
+    """hog: ξ of a slot is the population's draw at that slot, whoever else is asked; gaussian draws nothing."""
+    hog, gaussian_ = build_mechanism("hog", 1.0, 1.0, 0.5), build_mechanism("gaussian", 1.0, 1.0)
+    everyone = hog.xis(SeededBits(3), 8, range(8))
+    np.testing.assert_array_equal(hog.xis(SeededBits(3), 8, [6, 1]), everyone[[6, 1]])
+    assert len(set(everyone.tolist())) == 8
+    bits = CountingBits()
+    assert np.array_equal(gaussian_.xis(bits, 8, [6, 1]), np.zeros(2)) and bits.drawn == 0
+
+
+def test_each_mechanisms_accountant_is_its_own():
+    """Gaussian and hog compose their σ (halved for replace-one); none has no guarantee and ε = ∞ once it releases."""
+    for name in ("gaussian", "hog"):
+        accountant = build_mechanism(name, 1.0, 1.2, 0.5).accountant("fixed", 0.1, 100, 1e-4, "rdp")
+        assert accountant.has_guarantee and accountant.noise_multiplier == 0.6
+    plain = build_mechanism("none", 1.0, 1.2).accountant("poisson", 0.1, 100, 1e-4, "pld")
+    assert not plain.has_guarantee and plain.noise_multiplier is None and plain.sampler_slack(3) is None
+    plain.compose_round()
+    assert plain.epsilon() == math.inf

@@ -23,7 +23,7 @@ from fedhog.client_app import app as fedhog_client_app
 from fedhog.config import ConfigError, RunConfig
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.engines.vectorized import unbatchable_reason
-from fedhog.privacy.mechanism import MechanismSettings, constrain_sensitivity
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import SeededBits
 from fedhog.secure_aggregation.client import ClientGuard, SecAggPlusState, handle_stage
 from fedhog.secure_aggregation.quantization import ModularLattice
@@ -70,7 +70,7 @@ def _contributions(n: int) -> dict[int, np.ndarray]:
     lattice = ModularLattice.for_cohort(CLIP, n, 32)
     bits = SeededBits(5)
     rows = torch.from_numpy(np.stack([np.random.default_rng(i).standard_normal(DIMENSION) for i in range(n)]))
-    clipped, _ = constrain_sensitivity(rows * 100, None, torch.zeros(n), MechanismSettings("gaussian", CLIP, 0.0))
+    clipped, _ = GaussianMechanism(CLIP, 0.0).constrain_sensitivity(rows * 100, None, torch.zeros(n))
     levels = {i: lattice.stochastic_round(clipped[i], bits) for i in range(n)}
     levels[0] = np.full(DIMENSION, lattice.max_level)  # a coordinate at the top of the range, in every position
     return levels

@@ -11,7 +11,7 @@ from flwr.common.constant import ErrorCode
 
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.mechanism import MechanismSettings, NoiseLattice
+from fedhog.privacy.mechanism import NoiseLattice, build_mechanism
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
 from fedhog.protocol import Rejection
 from fedhog.server_optimizer import ServerOptimizerSettings
@@ -42,7 +42,7 @@ def flat_of(record):
 
 def make_aggregator(kind="gaussian", sigma=0.0, clip=1.0, gamma=0.0, population=4, rate=1.0,
                     sampling="fixed", eta=1.0, seed=0):
-    mechanism = MechanismSettings(kind, clip, sigma, gamma)
+    mechanism = build_mechanism(kind, clip, sigma, gamma)
     accountant = ClientLevelAccountant(sigma, sampling, rate, population, 1e-5 / population,
                                        has_guarantee=mechanism.has_guarantee)
     aggregator = SecureAggregator(mechanism, accountant, PrivacyRandomness(seed), sampling, rate,
@@ -237,7 +237,7 @@ def test_poisson_round_divides_by_expected_cohort():
 
 def round_noise(seed, server_round, sigma, clip):
     """The noise round ``server_round`` adds to the sum with this fixed privacy seed (stream 2: noise)."""
-    settings_ = MechanismSettings("gaussian", clip, sigma)
+    settings_ = build_mechanism("gaussian", clip, sigma)
     lattice = NoiseLattice.for_settings(settings_, NUMEL)
     steps = discrete_gaussian(SeededBits(seed, (server_round, 2)), NUMEL,
                               lattice.sum_std(settings_) / lattice.granularity)

@@ -66,12 +66,12 @@ def audits(monkeypatch):
 
 def test_a_broken_mechanism_is_reported_over_its_epsilon(tmp_path, monkeypatch, audits, capsys):
     """No clipping, put in by the test only: the summary flags the mechanism as broken, with its plot."""
-    real = mechanism.constrain_sensitivity
+    real = mechanism.GaussianMechanism.constrain_sensitivity
 
-    def unclipped(updates, terms, xis, settings):
-        return real(updates, terms, xis, dataclasses.replace(settings, clipping_norm=math.inf))
+    def unclipped(self, updates, terms, xis):
+        return real(dataclasses.replace(self, clipping_norm=math.inf), updates, terms, xis)
 
-    monkeypatch.setattr(mechanism, "constrain_sensitivity", unclipped)
+    monkeypatch.setattr(mechanism.GaussianMechanism, "constrain_sensitivity", unclipped)
     sweep = _sweep(tmp_path)
     assert sweep_runner.sweep_command(sweep.path, sweep.output, list_only=True) == 0
     assert "to run    audit/gaussian__noise-multiplier=1.0" in capsys.readouterr().err

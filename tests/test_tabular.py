@@ -30,7 +30,7 @@ def _table(rows: int = 300, banks: int = 4, seed: int = 0) -> pd.DataFrame:
 
 def _spec(path, **fields) -> DataSpec:
     return DataSpec(**{"dataset": f"csv:{path}", "label_column": "fraud", "client_column": "bank",
-                       "num_partitions": 4, **fields})
+                       "population": 4, **fields})
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_scaling_is_fitted_on_the_training_rows_only(csv_file):
 
 
 def test_without_a_client_column_a_partitioner_splits_the_pool(csv_file):
-    spec = _spec(csv_file, client_column="", feature_columns="amount,category", num_partitions=6, partitioner="iid")
+    spec = _spec(csv_file, client_column="", feature_columns="amount,category", population=6, partitioner="iid")
     sizes = [len(load_client_data(spec, c)[0]) + len(load_client_data(spec, c)[1]) for c in range(6)]
     assert sum(sizes) + len(load_test_set(spec)) == 300 and len(load_test_set(spec)) == 60
 
@@ -106,7 +106,7 @@ def test_parquet_and_npz_read_like_csv(tmp_path, csv_file):
 def test_an_npz_array_feature_keeps_its_example_shape(tmp_path):
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "images.npz", x=rng.normal(size=(40, 1, 3, 3)), y=np.arange(40) % 3)
-    spec = DataSpec(dataset=f"npz:{tmp_path / 'images.npz'}", label_column="y", num_partitions=2, partitioner="iid")
+    spec = DataSpec(dataset=f"npz:{tmp_path / 'images.npz'}", label_column="y", population=2, partitioner="iid")
     assert dataset_info(spec) == ((1, 3, 3), 3)
 
 

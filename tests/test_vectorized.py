@@ -233,7 +233,7 @@ def test_sweeps_use_the_vectorized_engine_unless_told_otherwise(tmp_path):
 def test_a_term_is_keyed_like_the_update_so_models_with_buffers_keep_theirs():
     """The update is keyed by state_dict (buffers included), the term by named_parameters: the reply
     must carry the term under the update's keys, or the server rejects every term of such a model."""
-    from fedhog.client_app import term_keyed_like
+    from fedhog.replies import term_keyed_like
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
     update = {k: torch.ones_like(v, dtype=torch.float32) for k, v in model.state_dict().items()}

@@ -15,9 +15,9 @@ client's term, nearly orthogonal to its update in high dimension, would be.
 Where the code runs (:data:`HARNESSES`):
 
 - ``vectorized`` (trusted server, the default): the trusted server's round
-  batched over all canaries (:func:`run_batched`): the strategy's settings,
-  sampler, randomness, ``constrain_sensitivity``, lattice, ``add_noise``,
-  adaptive clipping and accountant, without per-reply bookkeeping. Mechanism
+  batched over all canaries (:func:`run_batched`): the strategy's mechanism
+  (its ``constrain_sensitivity`` and ``add_noise``), sampler, randomness,
+  lattice, adaptive clipping and accountant, without per-reply bookkeeping. Mechanism
   level, O(canaries) a round: a million trials in seconds.
 - ``strategy`` (trusted server): fedhog's :class:`~fedhog.strategy.SecureAggregator`, built by
   the ServerApp's own ``build_strategy``, its round loop ``start`` with a
@@ -29,8 +29,8 @@ Where the code runs (:data:`HARNESSES`):
 - ``secure``: the same strategy's ``begin_round`` and ``finish_secure_round``
   (the server's noise, or none with distributed noise); each sampled client's
   contribution is made by the steps of the ClientApp's
-  ``secure_contribution`` (``constrain_sensitivity``, the run's lattice
-  ``stochastic_round``, distributed noise's ``sample``, ``encode``), and the
+  ``secure_contribution`` (the mechanism's ``constrain_sensitivity``, the run's
+  lattice ``stochastic_round``, distributed noise's ``sample``, ``encode``), and the
   residues are summed mod M as unmasking leaves them (the masks, which cancel,
   are not drawn). Mechanism level. With distributed noise the attacker also
   knows the noise shares of the K − m clients the accountant does not count.
@@ -58,12 +58,12 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
 from .. import protocol
+from ..aggregators import aggregator_of
 from ..config import RunConfig
 from ..dpsgd import DpSgdSettings
-from ..privacy import mechanism as mechanisms  # looked up at each call, as aggregate() looks up its own
 from ..privacy.audit.attacks import Observation
-from ..privacy.mechanism import CLIP_GUARD
-from ..privacy.randomness import PrivacyRandomness, client_bits, standard_normal
+from ..privacy.mechanism import CLIP_GUARD, GaussianMechanism, NoiseLattice
+from ..privacy.randomness import PrivacyRandomness, client_bits
 from ..privacy.sampling import sample_cohort
 from ..protocol import ClientResult
 from ..replies import CohortReplies, TrainRequest
@@ -150,17 +150,17 @@ class RunOutcome:
 
 def relation_of(config: RunConfig) -> str:
     """What an absent canary is under the config's accountant: add/remove (Poisson, Flower) or replace-one (fixed)."""
-    if config.aggregator == "flower-dp" or config.client_dp == "dpsgd":
+    if config.client_dp == "dpsgd":
         return "add-remove"
-    return "replace-one" if config.sampling == "fixed" else "add-remove"
+    return aggregator_of(config).audit_relation or ("replace-one" if config.sampling == "fixed" else "add-remove")
 
 
 def harness_of(config: RunConfig, trusted: str = "vectorized") -> str:
     """Which harness runs this config (see the module docstring); ``trusted`` picks the trusted server's."""
     if config.client_dp == "dpsgd":
         return "dpsgd"
-    if config.aggregator == "flower-dp":
-        return "flower-dp"
+    if aggregator_of(config).audit_harness is not None:
+        return aggregator_of(config).audit_harness
     if config.secure_aggregation != "off":
         return "secure"
     return trusted
@@ -211,7 +211,7 @@ def run_trusted(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
         recorder.observe(_flat(arrays), record.noise_std * cohort, clipped, cohort)
 
     strategy.start(None, initial, num_rounds=config.rounds, on_round=on_round,
-                   runner=_CanaryCohorts(canaries, relation, config.mechanism == "hog"))
+                   runner=_CanaryCohorts(canaries, relation, strategy.mechanism.wants_term))
     return RunOutcome(recorder.observation(canaries, config.sampling_rate, relation), strategy.accountant.epsilon())
 
 
@@ -219,14 +219,15 @@ def run_batched(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
     """One run of the trusted server's round, batched over all canaries: the vectorized audit.
 
     Each round does what :meth:`SecureAggregator.finish_round` does with the
-    contributions, with the same functions, on the same strategy's settings,
-    randomness, adaptive clipping and accountant: ``sample_cohort`` (Poisson
-    over all canaries; fixed-size within each population-sized group of
-    canaries), ξ from the mixing stream, :func:`~fedhog.privacy.mechanism.constrain_sensitivity`
-    on every sampled canary's block (a row whose other coordinates are zero
-    has the same norm, so clipping its block is clipping the row), the
-    lattice sum of their quantised blocks (disjoint: a scatter), and
-    :func:`~fedhog.privacy.mechanism.add_noise` over all 2·canaries
+    contributions, with the same strategy's mechanism, randomness, adaptive
+    clipping and accountant: ``sample_cohort`` (Poisson over all canaries;
+    fixed-size within each population-sized group of canaries), ξ from the
+    mixing stream (:meth:`~fedhog.privacy.mechanism.Mechanism.xis`),
+    :meth:`~fedhog.privacy.mechanism.Mechanism.constrain_sensitivity` on every
+    sampled canary's block (a row whose other coordinates are zero has the
+    same norm, so clipping its block is clipping the row), the lattice sum of
+    their quantised blocks (disjoint: a scatter), and
+    :meth:`~fedhog.privacy.mechanism.Mechanism.add_noise` over all 2·canaries
     coordinates. What it skips is per-reply bookkeeping (validation, weights)
     and the server step, so a run costs O(canaries) a round instead of
     O(canaries²) and a million trials take seconds.
@@ -250,30 +251,27 @@ def run_batched(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
                                                            config.sampling_rate, randomness.sampling), dtype=np.int64)
                                   for start in range(0, count, group)])
         present = sampled[signs[sampled] != 0]
-        settings = strategy.mechanism
+        mechanism = strategy.mechanism
         if strategy.adaptive_clipping is not None:
-            settings = dataclasses.replace(settings, clipping_norm=strategy.adaptive_clipping.clipping_norm,
-                                           noise_multiplier=strategy.adaptive_clipping.update_noise_multiplier)
-        xis = np.zeros(len(present))
-        if settings.kind == "hog":  # one ξ per slot, as the strategy draws them
-            xis = standard_normal(randomness.mixing, count)[present]
-        lattice = mechanisms.NoiseLattice.for_settings(settings, dimension)
+            mechanism = dataclasses.replace(mechanism, clipping_norm=strategy.adaptive_clipping.clipping_norm,
+                                            noise_multiplier=strategy.adaptive_clipping.update_noise_multiplier)
+        xis = mechanism.xis(randomness.mixing, count, present)  # one ξ per slot, as the strategy draws them
+        lattice = NoiseLattice.for_settings(mechanism, dimension)
         levels = torch.zeros(dimension, dtype=torch.int64)
         norms: tuple[float, ...] = ()
         if len(present):
-            rows, stats = mechanisms.constrain_sensitivity(
+            rows, stats = mechanism.constrain_sensitivity(
                 torch.from_numpy(base[present] * signs[present, None]),
-                torch.from_numpy(terms[present]) if settings.kind == "hog" else None,
-                torch.from_numpy(xis), settings)
+                torch.from_numpy(terms[present]) if mechanism.wants_term else None, torch.from_numpy(xis))
             blocks = levels.view(count, 2)
             blocks[torch.from_numpy(present)] = lattice.quantize(rows)
             norms = stats.norms_before_clip
-        noisy, sum_std = mechanisms.add_noise(levels, settings, lattice, randomness.noise)
+        noisy, sum_std = mechanism.add_noise(levels, lattice, randomness.noise, len(present))
         if strategy.adaptive_clipping is not None:
             strategy.adaptive_clipping.step(list(norms), cohort, randomness.noise)
         strategy.accountant.compose_round()
         total += noisy.numpy() / cohort
-        recorder.observe(total.copy(), sum_std, min(canaries.norm, settings.clipping_norm * CLIP_GUARD), cohort)
+        recorder.observe(total.copy(), sum_std, min(canaries.norm, mechanism.clipping_norm * CLIP_GUARD), cohort)
     return RunOutcome(recorder.observation(canaries, config.sampling_rate, relation), strategy.accountant.epsilon())
 
 
@@ -284,6 +282,7 @@ def run_secure(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None
     relation = relation_of(config)
     dimension = canaries.dimension
     strategy = _strategy(config, dimension, hook)
+    mechanism = strategy.mechanism
     lattice, noise = strategy.secure_aggregation.lattice, strategy.secure_aggregation.noise
     arrays = ArrayRecord({ARRAY_KEY: torch.zeros(dimension, dtype=torch.float32)})
     recorder = _Recorder(len(canaries.labels), _flat(arrays))
@@ -298,13 +297,10 @@ def run_secure(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None
         for rank, slot in enumerate(present):
             sign = canaries.sign(slot, relation)
             bits = client_bits(seed, server_round, slot, stream=1)
-            terms, xi = None, 0.0
-            if config.mechanism == "hog":
-                terms = canaries.term(slot)[None]
-                xi = float(standard_normal(bits, 1)[0] if seed is None else standard_normal(
-                    PrivacyRandomness(seed).for_round(server_round).mixing, config.population)[slot])
-            rows, _ = mechanisms.constrain_sensitivity(canaries.update(slot, sign)[None], terms,
-                                            torch.tensor([xi], dtype=torch.float64), config.mechanism_settings)
+            terms = canaries.term(slot)[None] if mechanism.wants_term else None
+            xis = (mechanism.xis(bits, 1, [0]) if seed is None else  # as the ClientApp's secure_contribution
+                   mechanism.xis(PrivacyRandomness(seed).for_round(server_round).mixing, config.population, [slot]))
+            rows, _ = mechanism.constrain_sensitivity(canaries.update(slot, sign)[None], terms, torch.from_numpy(xis))
             levels = lattice.stochastic_round(rows[0], bits)
             if noise is not None:
                 share = noise.sample(bits)
@@ -407,8 +403,7 @@ def run_dpsgd(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None 
 
 def _dpsgd_rounding_slack(settings: DpSgdSettings, dimension: int) -> float:
     """g√d/2 of the lattice DP-SGD's noise lives on (``fedhog.dpsgd.lattice_noisy_sum``'s)."""
-    lattice = mechanisms.NoiseLattice.for_settings(
-        mechanisms.MechanismSettings("gaussian", settings.max_grad_norm, settings.noise_multiplier), dimension)
+    lattice = NoiseLattice.for_settings(GaussianMechanism(settings.max_grad_norm, settings.noise_multiplier), dimension)
     return lattice.rounding_slack
 
 

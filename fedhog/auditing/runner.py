@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..aggregators import aggregator_of
+from ..choices import TERM_MECHANISMS
 from ..config import ConfigError, RunConfig, load_config
 from ..privacy.audit import attacks, bounds
 from . import harness
@@ -92,9 +94,9 @@ def mechanism_name(config: RunConfig) -> str:
     """A short name of what is audited: ``gaussian/poisson``, ``hog/fixed``, ``secagg+/distributed``, ..."""
     if config.client_dp == "dpsgd":
         return "dpsgd (record-level)"
-    if config.aggregator == "flower-dp":
-        return "flower-dp"
-    name = f"{config.mechanism}" + ("" if config.mechanism != "hog" else f" ({config.hog_term} term)")
+    if aggregator_of(config).audit_harness is not None:  # a baseline, audited as a whole
+        return config.aggregator
+    name = config.mechanism + (f" ({config.hog_term} term)" if config.mechanism in TERM_MECHANISMS else "")
     name += f"/{config.sampling}"
     if config.adaptive_clipping:
         name += "/adaptive-clipping"
@@ -159,7 +161,7 @@ def audit(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, r
         raise ConfigError(f"harness={harness_name!r} is not allowed; expected vectorized or strategy")
     resolved = prepare(config, overrides)
     kind = harness.harness_of(resolved, harness_name)
-    if kind != "dpsgd" and not resolved.mechanism_settings.has_guarantee:
+    if kind != "dpsgd" and not resolved.privacy_mechanism.has_guarantee:
         raise ConfigError(f"mechanism={resolved.mechanism!r} with noise-multiplier={resolved.noise_multiplier:g} has "
                           "no DP guarantee (ε = ∞): there is no accounted ε to audit; expected mechanism 'gaussian' "
                           "or 'hog' with noise")

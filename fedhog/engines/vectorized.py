@@ -6,8 +6,9 @@ that also offers a :class:`~fedhog.replies.CohortRunner` of its own,
 :class:`VectorizedRunner`: the strategy hands it the round's cohort and gets
 every client's result back from :class:`~fedhog.engines.cohort.CohortTrainer`
 instead of one message per client. Flower's own strategy (the ``flower-dp``
-baseline) sends one train message per client: ``send_and_receive`` trains
-such a batch of messages at once and answers each as the ClientApp would.
+baseline, an aggregator whose ``batches_train_messages``) sends one train
+message per client: ``send_and_receive`` trains such a batch of messages at
+once and answers each as the ClientApp would.
 Sampling, validation of the results, the
 mechanism, accounting, results folder, checkpoints and metrics are the
 strategy's, unchanged. What cannot be batched (Opacus' DP-SGD, the
@@ -30,11 +31,12 @@ from flwr.common import log
 from flwr.serverapp import ServerApp
 
 from .. import protocol
+from ..aggregators import aggregator_of
 from ..config import RunConfig
 from ..data import dataset_info, population_training_data
 from ..models import build_model, is_factory
 from ..monitoring import measure_peak_memory
-from ..protocol import ClientResult
+from ..protocol import ClientResult, LocalWork
 from ..replies import CohortReplies, TrainRequest
 from ..training import direction_seed, select_device
 from .cohort import CohortTrainer, HogSettings, unbatchable_model_reason
@@ -67,14 +69,15 @@ class VectorizedGrid(InProcessGrid):
         self.cohort_runner = VectorizedRunner(config, self.partition_of_node)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """The baseline's train messages (one model for every node) train as one batch; other messages one by one."""
+        """Train messages of an aggregator that :attr:`~fedhog.aggregators.Aggregator.batches_train_messages` (one
+        model for every node) train as one batch; other messages one by one."""
         messages = list(messages)
-        if self.config.aggregator != "flower-dp" or not messages or any(
+        if not aggregator_of(self.config).batches_train_messages or not messages or any(
                 m.metadata.message_type != MessageType.TRAIN for m in messages):
             return super().send_and_receive(messages, timeout=timeout)
         for message in messages:
             self._stamp(message)
-        replies = self.cohort_runner.train_for_flower([self._transport(m) for m in messages])
+        replies = self.cohort_runner.train_messages([self._transport(m) for m in messages])
         return [self._transport(reply) for reply in replies]
 
 
@@ -97,7 +100,7 @@ class VectorizedRunner:
         self.device = select_device(config.device)
         self.trainer = CohortTrainer(model, x, y, self.client_indices, self.device)
         self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
-                    if config.mechanism == "hog" else None)
+                    if config.privacy_mechanism.wants_term else None)
 
     def train(self, request: TrainRequest) -> CohortReplies:
         """What every node of the cohort would reply to this round's train message, and the bytes it would send."""
@@ -122,13 +125,16 @@ class VectorizedRunner:
             results.append(ClientResult(cohort[node], work.updates[k], term, metrics))
         return CohortReplies(results, bytes_received=sum(_nbytes(r.update) + _nbytes(r.term) for r in results))
 
-    def train_for_flower(self, messages: list[Message]) -> list[Message]:
-        """The ClientApp's replies to the ``flower-dp`` baseline's train messages (one model for all), as one batch."""
-        from ..flower_baseline import flower_dp_reply
+    def train_messages(self, messages: list[Message]) -> list[Message]:
+        """The ClientApp's replies to train messages of one model (the ``flower-dp`` baseline's), as one batch.
 
+        The aggregator replies from each client's local work (its update and
+        metrics; no third-order term: such aggregators want none).
+        """
+        aggregator = aggregator_of(self.config)
         arrays = messages[0].content["arrays"]
         if any(m.content["arrays"] != arrays for m in messages):
-            raise ValueError("flower-dp: the strategy sent different models in one round; "
+            raise ValueError(f"{self.config.aggregator}: the strategy sent different models in one round; "
                              "they cannot train as one batch")
         server_round = int(messages[0].content["config"][protocol.SERVER_ROUND])
         partitions = [self.partition_of_node[m.metadata.dst_node_id] for m in messages]
@@ -136,9 +142,11 @@ class VectorizedRunner:
         start = arrays.to_torch_state_dict()
         work = self.trainer.train(start, partitions, seeds, self.config.local_epochs, self.config.batch_size,
                                   self.config.learning_rate, self.config.momentum, None)
-        return [flower_dp_reply(message, start, self.trainer.unflatten(work.updates[k]),
-                                self.config.server_learning_rate, work.mean_losses[k])
-                for k, message in enumerate(messages)]
+        return [aggregator.reply(message, LocalWork(start, self.trainer.unflatten(work.updates[k]), None,
+                                                    protocol.train_metrics(p, len(self.client_indices[p]),
+                                                                           work.mean_losses[k], work.steps[k])),
+                                 self.config)
+                for k, (message, p) in enumerate(zip(messages, partitions, strict=True))]
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:

@@ -92,11 +92,19 @@ class Accountant(Protocol):
     def has_guarantee(self) -> bool:
         """Whether any finite ε can be reported."""
 
+    @property
+    def noise_multiplier(self) -> float | None:
+        """σ as the accountant composes it (noise std ÷ the sum's sensitivity); None without a guarantee."""
+
     def describe(self) -> str:
         """One line for the strategy's start-up log: what is accounted, and how."""
 
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
         """Count the slack of the server's lattice sampler in ε and δ (nothing where the clients add the noise)."""
+
+    def sampler_slack(self, releases: int) -> SamplerSlack | None:
+        """What the server's lattice sampler adds to ε and δ after ``releases`` releases; None where no sampler of
+        the server's is accounted (no guarantee, or the clients draw the noise)."""
 
     def plan(self, rounds: int) -> None:
         """Say that up to ``rounds`` releases will be asked for (their ε may be computed ahead)."""
@@ -196,6 +204,11 @@ class ClientLevelAccountant:
         """The event composed for each round's release (None without a guarantee)."""
         return self._event
 
+    @property
+    def noise_multiplier(self) -> float | None:
+        """The event's σ (halved for replace-one); None without a guarantee."""
+        return None if self._event is None else self._event.noise_multiplier
+
     def describe(self) -> str:
         """The accountant, sampling and event of each release (or that there is no guarantee)."""
         if self._event is None:
@@ -209,9 +222,12 @@ class ClientLevelAccountant:
         each release draws ``values_per_release`` values of std ``std_steps`` lattice steps."""
         self._noise_values = (std_steps, values_per_release)
 
-    def sampler_slack(self, releases: int) -> SamplerSlack:
-        """What the sampler adds to ε and δ after ``releases`` releases (δ's share at the ε they reach)."""
-        if self._backend is None or self._noise_values is None or releases == 0:
+    def sampler_slack(self, releases: int) -> SamplerSlack | None:
+        """What the sampler adds to ε and δ after ``releases`` releases (δ's share at the ε they reach); None
+        without a guarantee."""
+        if self._backend is None:
+            return None
+        if self._noise_values is None or releases == 0:
             return SamplerSlack(0.0, 0.0)
         return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, self._projected(releases),
                              self.delta)

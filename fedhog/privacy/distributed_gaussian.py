@@ -145,7 +145,6 @@ class DistributedGaussianAccountant:
 
     method = "ddg-rdp"
     has_guarantee = True
-    event = None  # no continuous-Gaussian event: the PLD and Flower's accountants do not apply
 
     def __init__(self, accounting: DdgAccounting, local_std: float, delta: float) -> None:
         self.accounting = accounting
@@ -162,8 +161,16 @@ class DistributedGaussianAccountant:
         """Who adds the noise, and this accountant."""
         return f"distributed noise: each client adds N_Z(0, σ_l²); accounting: {self!r}"
 
+    @property
+    def noise_multiplier(self) -> float:
+        """The equivalent noise multiplier as composed: the std of m shares over the replace-one sensitivity 2Δ₂."""
+        return math.sqrt(self.accounting.shares) * self.local_std / (self.accounting.l2 / 2) / 2
+
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
         """Nothing: the clients draw the noise (discrete Gaussians this accountant bounds), not the server's sampler."""
+
+    def sampler_slack(self, releases: int) -> None:
+        """None: no sampler of the server's draws this noise."""
 
     def plan(self, rounds: int) -> None:
         """Nothing to compute ahead: ε after n releases is n·RDP, in constant time."""

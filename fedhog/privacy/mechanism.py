@@ -1,14 +1,19 @@
-"""The higher-order mixing and the Gaussian mechanism on clipped contributions.
+"""The mechanisms a round can apply: FedAvg, DP-FedAvg, the higher-order mixing, distributed noise.
 
 Vocabulary (one name per concept, as in the README): update Δ_i, third-order
 term t_i, mixing strength γ, clipping norm C, noise multiplier σ, expected
 cohort size K, model dimension d.
 
-The mechanism is split as Apple's pfl-research splits one, so that the same
-code can run per contribution wherever that happens (the trusted server
-today, clients under secure aggregation) and on the aggregate:
+Each mechanism is a small object, split as Apple's pfl-research splits one
+(``CentrallyApplicablePrivacyMechanism``), so that the same code runs per
+contribution wherever that happens (the trusted server, or each client under
+secure aggregation) and on the aggregate. :data:`MECHANISM_REGISTRY` maps the
+config's ``mechanism`` names to :class:`NoPrivacy` (``none``, FedAvg),
+:class:`GaussianMechanism` (``gaussian``, DP-FedAvg) and :class:`HogMechanism`
+(``hog``); :class:`DistributedGaussian` wraps one of the last two when the
+clients add the noise (``noise = "distributed"``). What every DP mechanism does:
 
-1. :func:`constrain_sensitivity`, per contribution, in float64::
+1. :meth:`Mechanism.constrain_sensitivity`, per contribution, in float64::
 
        u_i = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian)
        c_i = clip_C(u_i)                                  ‖c_i‖ ≤ C for any finite input
@@ -18,11 +23,14 @@ today, clients under secure aggregation) and on the aggregate:
 
        S = Σ_i round(c_i / g)        one contribution moves g·S by ≤ C + g√d/2
 
-3. :func:`add_noise`, on the aggregate: integer noise n ~ N_ℤ(0, (s/g)²)^d, the
-   discrete Gaussian drawn exactly on the lattice
+3. :meth:`Mechanism.add_noise`, on the aggregate: integer noise n ~ N_ℤ(0, (s/g)²)^d,
+   the discrete Gaussian drawn exactly on the lattice
    (:func:`fedhog.privacy.randomness.discrete_gaussian`), s = σ · (C + g√d/2)::
 
        ū = g · (S + n) / K
+
+4. :meth:`Mechanism.accountant`: what composes the releases (the sampled
+   Gaussian mechanism's event, or the distributed discrete Gaussian's).
 
 Why the accountant's σ covers this release. The neighbour's lattice sum S′
 differs from S by one rounded contribution, ‖round(c/g)‖ ≤ C/g + √d/2 = s/(gσ)
@@ -54,48 +62,25 @@ integer sampler. The mixing term adds no privacy of its own.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
-from .randomness import BULK_STDS, RandomBits, lattice_gaussian, sampler_log_ratio_bound
+from .randomness import BULK_STDS, RandomBits, lattice_gaussian, sampler_log_ratio_bound, standard_normal
 
-MechanismKind = Literal["none", "gaussian", "hog"]
+if TYPE_CHECKING:
+    from ..secure_aggregation.distributed_noise import DistributedNoise
+    from .accounting import Accountant
+    from .sampling import SamplingKind
 
 LATTICE_BITS = 40  # g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): ~2^7 float64 values of the noise per lattice cell
 CLIP_GUARD = 1 - 2.0**-40  # clip a hair inside C, so that float64 rounding of the norm cannot exceed C
 MAX_TAIL_DELTA_SHARE = 0.01  # the sampler's slack may add at most this share of δ
 MAX_CONTRIBUTIONS = 2**21  # |round(c_i / g)| ≤ 2^41 each: the int64 sum of this many cannot overflow
-
-
-@dataclass(frozen=True)
-class MechanismSettings:
-    """What the server does with the contributions of one round.
-
-    Parameters
-    ----------
-    kind : {"none", "gaussian", "hog"}
-        ``none`` is plain FedAvg (no clipping, no noise), ``gaussian`` is
-        DP-FedAvg, ``hog`` is the higher-order mixing followed by DP-FedAvg.
-    clipping_norm : float
-        C, the L2 bound on each mixed contribution.
-    noise_multiplier : float
-        σ; the noise added to the sum has standard deviation σ·(C + g√d/2).
-    mixing_strength : float
-        γ; ignored unless ``kind == "hog"``.
-    """
-
-    kind: MechanismKind
-    clipping_norm: float
-    noise_multiplier: float
-    mixing_strength: float = 0.0
-
-    @property
-    def has_guarantee(self) -> bool:
-        """Whether the release is differentially private (ε < ∞)."""
-        return self.kind != "none" and self.noise_multiplier > 0.0
 
 
 @dataclass(frozen=True)
@@ -169,66 +154,11 @@ def _unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class RowStats:
-    """What :func:`constrain_sensitivity` saw of each contribution (private: operator diagnostics)."""
+    """What :meth:`Mechanism.constrain_sensitivity` saw of each contribution (private: operator diagnostics)."""
 
     norms_before_clip: tuple[float, ...]  # ‖u_i‖ (inf if it exceeds float64; then it is clipped)
     clipped: tuple[bool, ...]  # ‖u_i‖ > C
     mixing_ratios: tuple[float, ...]  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0: zero term or update; NaN: no mixing)
-
-
-def constrain_sensitivity(
-    updates: torch.Tensor, terms: torch.Tensor | None, xis: torch.Tensor, settings: MechanismSettings
-) -> tuple[torch.Tensor, RowStats]:
-    """Mix (``hog``) and clip stacked contributions ``[R, P]``: return c_i = clip_C(u_i) in float64 and stats.
-
-    u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when
-    ‖u‖ ≤ C, else w scaled to norm C: no intermediate exceeds ‖Δ‖ or |γξ|, so
-    c is finite and ‖c‖ < C for every finite Δ and t (subnormal, huge or
-    zero). The bound is applied a hair inside C (:data:`CLIP_GUARD`) so that
-    rounding in the norm cannot take c past C. A zero term carries no
-    direction (u = Δ); a contribution that needs no clipping and no mixing
-    comes back unchanged.
-
-    Raises
-    ------
-    ValueError
-        If a Δ or t is not finite (replies must be checked before), or ``hog``
-        gets no terms.
-    """
-    if settings.kind == "none":
-        raise ValueError("mechanism 'none' does not constrain contributions")
-    updates = updates.to(torch.float64)
-    bound = settings.clipping_norm * CLIP_GUARD
-    if settings.kind == "gaussian":  # no mixing: scale each row by min(1, bound/‖Δ‖) (1.0 leaves it exact)
-        norms = _row_norms(updates)
-        if not bool(torch.isfinite(norms).all()):
-            raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
-        inside = norms <= bound
-        factor = torch.where(inside, torch.ones_like(norms), bound / torch.where(inside, torch.ones_like(norms), norms))
-        stats = RowStats(tuple(norms.tolist()), tuple((norms > settings.clipping_norm).tolist()),
-                         (math.nan,) * len(norms))
-        return updates * factor[:, None], stats
-    direction, update_norms = _unit_rows(updates)
-    rows = len(updates)
-    mixed = torch.zeros(rows, dtype=torch.bool)
-    ratios = torch.full((rows,), math.nan, dtype=torch.float64)
-    if settings.kind == "hog":
-        if terms is None:
-            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
-        term_direction, term_norms = _unit_rows(terms.to(torch.float64))
-        coefficients = settings.mixing_strength * xis.to(torch.float64)
-        mixed = (term_norms > 0) & (update_norms > 0) & (coefficients != 0)
-        ratios = torch.where(mixed, coefficients.abs(), torch.zeros_like(coefficients))
-        mixing = torch.where(mixed, coefficients, torch.zeros_like(coefficients))
-        direction = direction + mixing[:, None] * term_direction
-    relative = torch.where(mixed, _row_norms(direction), torch.ones_like(update_norms))  # ‖u‖ / ‖Δ‖
-    norms_before = update_norms * relative
-    inside = norms_before <= bound
-    scale = torch.where(inside, update_norms, bound / torch.where(relative > 0, relative, torch.ones_like(relative)))
-    out = torch.where((inside & ~mixed)[:, None], updates, direction * scale[:, None])
-    stats = RowStats(tuple(norms_before.tolist()), tuple((norms_before > settings.clipping_norm).tolist()),
-                     tuple(ratios.tolist()))
-    return out, stats
 
 
 @dataclass(frozen=True)
@@ -252,9 +182,10 @@ class NoiseLattice:
     rounding_steps: float = 0.5
 
     @classmethod
-    def for_settings(cls, settings: MechanismSettings, dimension: int) -> NoiseLattice:
-        """g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): fine against the noise, coarse against float64 spacing."""
-        scale = settings.clipping_norm * max(settings.noise_multiplier, 1.0)
+    def for_settings(cls, mechanism: Mechanism, dimension: int) -> NoiseLattice:
+        """The trusted server's lattice for a mechanism's C and σ: g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40), fine against
+        the noise, coarse against float64 spacing."""
+        scale = mechanism.clipping_norm * max(mechanism.noise_multiplier, 1.0)
         return cls(2.0 ** (math.floor(math.log2(scale)) - LATTICE_BITS), dimension)
 
     @property
@@ -266,24 +197,354 @@ class NoiseLattice:
         """round(vector / g) as int64 (|entries| ≤ C/g ≤ 2^41 for a clipped contribution)."""
         return torch.round(vector.to(torch.float64) / self.granularity).to(torch.int64)
 
-    def sum_std(self, settings: MechanismSettings) -> float:
+    def sum_std(self, mechanism: Mechanism) -> float:
         """s = σ·(C + g√d/2): the noise std on the sum, calibrated to its sensitivity."""
-        return settings.noise_multiplier * (settings.clipping_norm + self.rounding_slack)
+        return mechanism.noise_multiplier * (mechanism.clipping_norm + self.rounding_slack)
 
 
-def add_noise(
-    lattice_sum: torch.Tensor, settings: MechanismSettings, lattice: NoiseLattice, bits: RandomBits
-) -> tuple[torch.Tensor, float]:
-    """g·(S + n), n ~ N_ℤ(0, (s/g)²)^d, in float64; and s, the noise std on the sum.
+class Mechanism(ABC):
+    """What a round does with its contributions: per contribution, on the sum, and how its releases are accounted.
 
-    ``lattice_sum`` is S (int64). The noise is drawn even for an empty round:
-    then the noise alone is released.
+    The strategy, the ClientApp, the engines and the audit ask the mechanism
+    (:attr:`wants_term`, :meth:`constrain_sensitivity`, :meth:`add_noise`, ...)
+    and never which one it is. Mechanisms are immutable: adaptive clipping runs
+    a round with ``dataclasses.replace(mechanism, clipping_norm=..., noise_multiplier=...)``.
     """
-    std = lattice.sum_std(settings)
-    if std == 0.0:
-        return lattice_sum.to(torch.float64) * lattice.granularity, 0.0
-    steps = torch.from_numpy(lattice_gaussian(bits, lattice.dimension, std / lattice.granularity))
-    return (lattice_sum + steps).to(torch.float64).mul_(lattice.granularity), std
+
+    name: ClassVar[str]  # the config's ``mechanism`` value
+    wants_term: ClassVar[bool] = False  # each client also sends its third-order term t_i
+    #: Bounds each contribution (a sensitivity): it can be noised and summed under secure aggregation, and a round
+    #: with no accepted contribution still releases (the noise alone: withholding it would tell who replied).
+    clips: ClassVar[bool] = True
+    clipping_norm: float  # C
+    noise_multiplier: float  # σ
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Whether the release is differentially private (ε < ∞)."""
+        return self.noise_multiplier > 0.0
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the run's log: what each contribution goes through, and the noise."""
+
+    @abstractmethod
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """Stacked contributions ``[R, P]`` (their terms, their ξ_i) -> c_i in float64, ‖c_i‖ ≤ C, and what was seen.
+
+        Raises
+        ------
+        ValueError
+            If a Δ or t is not finite (replies must be checked before), a term
+            is missing where the mechanism needs one, or the mechanism bounds nothing.
+        """
+
+    def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """ξ_i (float64) of the contributions of ``slots``: 0 here (no mixing); nothing is drawn from ``stream``."""
+        return np.zeros(len(slots))
+
+    @abstractmethod
+    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
+                  contributors: int) -> tuple[torch.Tensor, float]:
+        """The released sum g·(S + n) in float64 for the int64 lattice sum S of ``contributors`` contributions, and
+        the std of its noise. The noise is drawn even for an empty round: then the noise alone is released."""
+
+    def noise_share(self, levels: np.ndarray, bits: RandomBits) -> np.ndarray:
+        """A client's quantised contribution as it enters the secure sum: unchanged (the server adds the noise)."""
+        return levels
+
+    def aggregate(self, contributions: list[Contribution], expected_cohort: float, xis: Sequence[float] | np.ndarray,
+                  bits: RandomBits, numel: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, AggregateStats]:
+        """The trusted server's round: constrain every contribution, sum on the lattice, add noise, divide by K.
+
+        Parameters
+        ----------
+        contributions : list[Contribution]
+            Accepted replies; may be empty (then the noise alone is released).
+        expected_cohort : float
+            K, the fixed denominator of DP-FedAvg (q·N for Poisson sampling, the
+            cohort size for fixed-size sampling).
+        xis : sequence of float
+            ξ_i ~ N(0, 1), one per contribution, drawn by the server (:meth:`xis`).
+        bits : RandomBits
+            The round's noise stream.
+        numel, dtype
+            Size and dtype of the flat model vector.
+        """
+        if len(xis) != len(contributions):
+            raise ValueError(f"need one ξ per contribution, got {len(xis)} for {len(contributions)}")
+        if len(contributions) > MAX_CONTRIBUTIONS:
+            raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
+        lattice = NoiseLattice.for_settings(self, numel)
+        total = torch.zeros(numel, dtype=torch.int64)
+        norms, clipped, ratios = [], [], []
+        step = rows_per_pass(numel)
+        for start in range(0, len(contributions), step):
+            chunk = contributions[start:start + step]
+            terms = _stack([c.term for c in chunk], "third-order term") if self.wants_term else None
+            rows, stats = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
+                                                     torch.tensor(xis[start:start + step], dtype=torch.float64))
+            total += lattice.quantize(rows).sum(dim=0)
+            norms += stats.norms_before_clip
+            clipped += stats.clipped
+            ratios += [r for r in stats.mixing_ratios if not math.isnan(r)]
+        noisy_sum, sum_std = self.add_noise(total, lattice, bits, len(contributions))
+        stats = AggregateStats(
+            num_contributions=len(contributions),
+            mean_norm_before_clip=_mean(norms),
+            fraction_clipped=_mean([float(c) for c in clipped]),
+            noise_std=sum_std / expected_cohort,
+            mean_mixing_ratio=_mean(ratios),
+            norms_before_clip=tuple(norms),
+        )
+        return (noisy_sum / expected_cohort).to(dtype), stats
+
+    def accountant(self, sampling: SamplingKind, sampling_rate: float, population: int, delta: float,
+                   method: str) -> Accountant:
+        """A fresh accountant of this mechanism's releases: the sampled Gaussian mechanism's event each round,
+        composed with ``method`` (``pld`` or ``rdp``; ε = ∞ without a guarantee)."""
+        from .accounting import ClientLevelAccountant  # Flower's accountants: servers only
+
+        return ClientLevelAccountant(self.noise_multiplier, sampling, sampling_rate, population, delta,
+                                     has_guarantee=self.has_guarantee, accountant=method)
+
+    def with_client_noise(self, plan: DistributedNoise) -> DistributedGaussian:
+        """This mechanism with the noise added by the clients, a share each (``noise = "distributed"``)."""
+        return DistributedGaussian(self, plan)
+
+
+@dataclass(frozen=True)
+class NoPrivacy(Mechanism):
+    """``none``: plain FedAvg, the example-weighted mean of the updates; no clipping, no noise (ε = ∞).
+
+    C and σ are kept only to be reported.
+    """
+
+    clipping_norm: float
+    noise_multiplier: float = 0.0
+    name: ClassVar[str] = "none"
+    clips: ClassVar[bool] = False
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Never: nothing bounds a contribution."""
+        return False
+
+    def describe(self) -> str:
+        """FedAvg, without privacy."""
+        return "none: FedAvg (example-weighted mean), no clipping, no noise: ε = ∞"
+
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """Refused: FedAvg bounds nothing."""
+        raise ValueError("mechanism 'none' does not constrain contributions")
+
+    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
+                  contributors: int) -> tuple[torch.Tensor, float]:
+        """Refused: FedAvg adds no noise."""
+        raise ValueError("mechanism 'none' adds no noise")
+
+    def aggregate(self, contributions: list[Contribution], expected_cohort: float, xis: Sequence[float] | np.ndarray,
+                  bits: RandomBits, numel: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, AggregateStats]:
+        """Weighted mean of the updates (FedAvg); ``expected_cohort``, ``xis`` and ``bits`` are unused."""
+        total = torch.zeros(numel, dtype=torch.float64)
+        weight = sum(c.weight for c in contributions)
+        norms: list[float] = []
+        step = rows_per_pass(numel)
+        for start in range(0, len(contributions), step):
+            chunk = contributions[start:start + step]
+            rows = torch.stack([c.update for c in chunk]).to(torch.float64)
+            total += (rows * torch.tensor([float(c.weight) for c in chunk], dtype=torch.float64)[:, None]).sum(dim=0)
+            norms += _row_norms(rows).tolist()
+        stats = AggregateStats(len(contributions), _mean(norms), 0.0, 0.0, math.nan)
+        return (total / weight if weight > 0 else total).to(dtype), stats
+
+
+@dataclass(frozen=True)
+class GaussianMechanism(Mechanism):
+    """``gaussian``: DP-FedAvg. Clip each update to C, sum on the lattice, add N_ℤ(0, (s/g)²)^d on the server."""
+
+    clipping_norm: float
+    noise_multiplier: float = 0.0
+    name: ClassVar[str] = "gaussian"
+
+    def describe(self) -> str:
+        """Clipping and the server's lattice noise."""
+        return (f"gaussian: clip each update to C={self.clipping_norm:g}, the server adds discrete Gaussian noise "
+                f"σ={self.noise_multiplier:g} to the lattice sum")
+
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """c_i = Δ_i · min(1, C′/‖Δ_i‖) with C′ a hair inside C (:data:`CLIP_GUARD`); a row within C comes back
+        exact. ``terms`` and ``xis`` are unused."""
+        updates = updates.to(torch.float64)
+        bound = self.clipping_norm * CLIP_GUARD
+        norms = _row_norms(updates)
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
+        inside = norms <= bound
+        factor = torch.where(inside, torch.ones_like(norms), bound / torch.where(inside, torch.ones_like(norms), norms))
+        stats = RowStats(tuple(norms.tolist()), tuple((norms > self.clipping_norm).tolist()),
+                         (math.nan,) * len(norms))
+        return updates * factor[:, None], stats
+
+    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
+                  contributors: int) -> tuple[torch.Tensor, float]:
+        """g·(S + n), n ~ N_ℤ(0, (s/g)²)^d, in float64; and s = σ·(C + rounding slack), the noise std on the sum."""
+        std = lattice.sum_std(self)
+        if std == 0.0:
+            return lattice_sum.to(torch.float64) * lattice.granularity, 0.0
+        steps = torch.from_numpy(lattice_gaussian(bits, lattice.dimension, std / lattice.granularity))
+        return (lattice_sum + steps).to(torch.float64).mul_(lattice.granularity), std
+
+
+@dataclass(frozen=True)
+class HogMechanism(GaussianMechanism):
+    """``hog``: mix each update with its client's third-order term, then DP-FedAvg (:class:`GaussianMechanism`)."""
+
+    mixing_strength: float = 0.0  # γ
+    name: ClassVar[str] = "hog"
+    wants_term: ClassVar[bool] = True
+
+    def describe(self) -> str:
+        """The mixing, then DP-FedAvg."""
+        return (f"hog: mix each update with its third-order term (γ={self.mixing_strength:g}), clip to "
+                f"C={self.clipping_norm:g}, the server adds discrete Gaussian noise σ={self.noise_multiplier:g} "
+                "to the lattice sum")
+
+    def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """ξ ~ N(0, 1) for each slot of the population from ``stream``, so that a client's ξ does not depend on who
+        else replied; those of ``slots``."""
+        return standard_normal(stream, population)[np.asarray(slots, dtype=np.int64)]
+
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """Mix and clip: u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t, c = clip_C(u).
+
+        u = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when ‖u‖ ≤ C, else w
+        scaled to norm C: no intermediate exceeds ‖Δ‖ or |γξ|, so c is finite
+        and ‖c‖ < C for every finite Δ and t (subnormal, huge or zero). The
+        bound is applied a hair inside C (:data:`CLIP_GUARD`) so that rounding
+        in the norm cannot take c past C. A zero term carries no direction
+        (u = Δ); a contribution that needs no clipping and no mixing comes back
+        unchanged.
+        """
+        updates = updates.to(torch.float64)
+        bound = self.clipping_norm * CLIP_GUARD
+        direction, update_norms = _unit_rows(updates)
+        if terms is None:
+            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+        term_direction, term_norms = _unit_rows(terms.to(torch.float64))
+        coefficients = self.mixing_strength * xis.to(torch.float64)
+        mixed = (term_norms > 0) & (update_norms > 0) & (coefficients != 0)
+        ratios = torch.where(mixed, coefficients.abs(), torch.zeros_like(coefficients))
+        mixing = torch.where(mixed, coefficients, torch.zeros_like(coefficients))
+        direction = direction + mixing[:, None] * term_direction
+        relative = torch.where(mixed, _row_norms(direction), torch.ones_like(update_norms))  # ‖u‖ / ‖Δ‖
+        norms_before = update_norms * relative
+        inside = norms_before <= bound
+        scale = torch.where(inside, update_norms,
+                            bound / torch.where(relative > 0, relative, torch.ones_like(relative)))
+        out = torch.where((inside & ~mixed)[:, None], updates, direction * scale[:, None])
+        stats = RowStats(tuple(norms_before.tolist()), tuple((norms_before > self.clipping_norm).tolist()),
+                         tuple(ratios.tolist()))
+        return out, stats
+
+
+@dataclass(frozen=True)
+class DistributedGaussian(Mechanism):
+    """Distributed noise (``noise = "distributed"``, under SecAgg+): ``inner`` bounds each contribution on its client,
+    each client adds its share of discrete Gaussian noise before masking (:meth:`noise_share`), and the server adds
+    none to the unmasked sum (:meth:`add_noise`). Accounted by the distributed discrete Gaussian's RDP
+    (:class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`).
+    """
+
+    inner: Mechanism
+    plan: DistributedNoise
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The inner mechanism's name (the config's ``mechanism``)."""
+        return self.inner.name
+
+    @property
+    def wants_term(self) -> bool:  # type: ignore[override]
+        """Whether the inner mechanism mixes a term in."""
+        return self.inner.wants_term
+
+    @property
+    def clipping_norm(self) -> float:  # type: ignore[override]
+        """The inner mechanism's C."""
+        return self.inner.clipping_norm
+
+    @property
+    def noise_multiplier(self) -> float:  # type: ignore[override]
+        """The config's σ (the clients' σ_l is the plan's)."""
+        return self.inner.noise_multiplier
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Always: the plan's σ_l > 0 (the config refuses distributed noise without a noise level)."""
+        return True
+
+    def describe(self) -> str:
+        """The inner mechanism's per-contribution step, and who adds the noise."""
+        return (f"{self.inner.describe().split(', the server adds')[0]} on each client, which adds its share of "
+                f"noise, N_ℤ(0, σ_l²) with σ_l={self.plan.local_std:.6g} lattice steps; the server adds none")
+
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """The inner mechanism's (on each client)."""
+        return self.inner.constrain_sensitivity(updates, terms, xis)
+
+    def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The inner mechanism's."""
+        return self.inner.xis(stream, population, slots)
+
+    def noise_share(self, levels: np.ndarray, bits: RandomBits) -> np.ndarray:
+        """``levels`` plus this client's share: d draws of N_ℤ(0, σ_l²) from its own stream."""
+        return levels + self.plan.sample(bits)
+
+    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
+                  contributors: int) -> tuple[torch.Tensor, float]:
+        """g·S as it is (every contributor's share is in it), and the std of those shares, √contributors·σ_l·g."""
+        return (lattice_sum.to(torch.float64) * lattice.granularity,
+                math.sqrt(contributors) * self.plan.local_std * lattice.granularity)
+
+    def aggregate(self, contributions: list[Contribution], expected_cohort: float, xis: Sequence[float] | np.ndarray,
+                  bits: RandomBits, numel: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, AggregateStats]:
+        """Refused: a trusted server adds its own noise; distributed noise runs under secure aggregation only."""
+        raise ValueError("distributed noise runs under secure aggregation only: the trusted server adds its own noise")
+
+    def accountant(self, sampling: SamplingKind, sampling_rate: float, population: int, delta: float,
+                   method: str) -> Accountant:
+        """The plan's accountant: T releases of the distributed discrete Gaussian (its own RDP, the plan's δ)."""
+        return self.plan.accountant()
+
+
+#: The config's ``mechanism`` names (:data:`fedhog.choices.MECHANISMS`) -> their classes.
+MECHANISM_REGISTRY: dict[str, type[NoPrivacy | GaussianMechanism]] = {
+    NoPrivacy.name: NoPrivacy, GaussianMechanism.name: GaussianMechanism, HogMechanism.name: HogMechanism}
+
+
+def build_mechanism(name: str, clipping_norm: float, noise_multiplier: float = 0.0,
+                    mixing_strength: float = 0.0) -> Mechanism:
+    """The mechanism called ``name`` (a key of :data:`MECHANISM_REGISTRY`); γ is used by ``hog`` only.
+
+    Raises
+    ------
+    ValueError
+        If there is no mechanism of that name.
+    """
+    if name not in MECHANISM_REGISTRY:
+        raise ValueError(f"mechanism={name!r} must be one of {tuple(MECHANISM_REGISTRY)}")
+    if MECHANISM_REGISTRY[name].wants_term:
+        return HogMechanism(clipping_norm, noise_multiplier, mixing_strength)
+    return MECHANISM_REGISTRY[name](clipping_norm, noise_multiplier)
 
 
 @dataclass(frozen=True)
@@ -324,81 +585,6 @@ def sampler_slack(accountant_noise_multiplier: float, std_steps: float, dimensio
     except OverflowError:
         tail = math.inf
     return SamplerSlack(2 * kappa, math.expm1(kappa) * delta + min(1.0, tail))
-
-
-def aggregate(
-    contributions: list[Contribution],
-    settings: MechanismSettings,
-    expected_cohort: float,
-    xis: list[float],
-    bits: RandomBits,
-    numel: int,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, AggregateStats]:
-    """The trusted server's round: constrain every contribution, sum on the lattice, add noise, divide by K.
-
-    Parameters
-    ----------
-    contributions : list[Contribution]
-        Accepted replies; may be empty (then a DP mechanism releases pure noise).
-    settings : MechanismSettings
-        The mechanism to apply.
-    expected_cohort : float
-        K, the fixed denominator of DP-FedAvg (q·N for Poisson sampling, the
-        cohort size for fixed-size sampling). Unused for ``none``.
-    xis : list[float]
-        ξ_i ~ N(0, 1), one per contribution, drawn by the server.
-    bits : RandomBits
-        The round's noise stream.
-    numel, dtype
-        Size and dtype of the flat model vector.
-    """
-    if settings.kind == "none":
-        return _federated_average(contributions, numel, dtype)
-    if len(xis) != len(contributions):
-        raise ValueError(f"need one ξ per contribution, got {len(xis)} for {len(contributions)}")
-    if len(contributions) > MAX_CONTRIBUTIONS:
-        raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
-    lattice = NoiseLattice.for_settings(settings, numel)
-    total = torch.zeros(numel, dtype=torch.int64)
-    norms, clipped, ratios = [], [], []
-    step = rows_per_pass(numel)
-    for start in range(0, len(contributions), step):
-        chunk = contributions[start:start + step]
-        terms = None if settings.kind != "hog" else _stack([c.term for c in chunk], "third-order term")
-        rows, stats = constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
-                                            torch.tensor(xis[start:start + step], dtype=torch.float64), settings)
-        total += lattice.quantize(rows).sum(dim=0)
-        norms += stats.norms_before_clip
-        clipped += stats.clipped
-        ratios += [r for r in stats.mixing_ratios if not math.isnan(r)]
-    noisy_sum, sum_std = add_noise(total, settings, lattice, bits)
-    stats = AggregateStats(
-        num_contributions=len(contributions),
-        mean_norm_before_clip=_mean(norms),
-        fraction_clipped=_mean([float(c) for c in clipped]),
-        noise_std=sum_std / expected_cohort,
-        mean_mixing_ratio=_mean(ratios),
-        norms_before_clip=tuple(norms),
-    )
-    return (noisy_sum / expected_cohort).to(dtype), stats
-
-
-def _federated_average(
-    contributions: list[Contribution], numel: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, AggregateStats]:
-    """Weighted mean of the updates (FedAvg), no privacy."""
-    total = torch.zeros(numel, dtype=torch.float64)
-    weight = sum(c.weight for c in contributions)
-    norms: list[float] = []
-    step = rows_per_pass(numel)
-    for start in range(0, len(contributions), step):
-        chunk = contributions[start:start + step]
-        rows = torch.stack([c.update for c in chunk]).to(torch.float64)
-        total += (rows * torch.tensor([float(c.weight) for c in chunk], dtype=torch.float64)[:, None]).sum(dim=0)
-        norms += _row_norms(rows).tolist()
-    stats = AggregateStats(len(contributions), _mean(norms), 0.0, 0.0, math.nan)
-    return (total / weight if weight > 0 else total).to(dtype), stats
 
 
 def _stack(tensors: list[torch.Tensor | None], what: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..choices import CLIPPING_MECHANISMS
 from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 from .stats import TrialScore, beyond_edge, choice_stability
 
@@ -475,7 +476,7 @@ def has_guarantee(config: RunConfig) -> bool:
     """Whether the config's release has a DP guarantee (an accounted ε < ∞) for an audit to test."""
     if config.client_dp == "dpsgd":
         return True
-    return config.mechanism != "none" and (config.target_epsilon > 0 or config.noise_multiplier > 0)
+    return config.mechanism in CLIPPING_MECHANISMS and (config.target_epsilon > 0 or config.noise_multiplier > 0)
 
 
 def _audit(raw: Any, cells: Sequence[Cell]) -> AuditOptions:
