@@ -206,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             console.print("[yellow]interrupted[/] before the run started")
             return code
+        try:
+            with interrupts.deferred():  # claimed whole; an interrupt during the claim is raised once it is done
+                config = _claim(args, config, launch)
+        except (KeyboardInterrupt, SystemExit) as stop:
+            if (code := interrupts.interrupt_exit_code(stop)) is None:
+                raise
+            return _interrupted(Path(config.results_dir), config, code, args.command)
         if args.command == "deploy-local":
             return deploy_command(config, launch["nodes"], launch["tls"], args.workdir)
         return run_command(config, launch["engine"], launch["client_cpus"])
@@ -223,7 +230,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
-    """The validated config and how to launch it; the results folder claimed and the launch recorded in it."""
+    """The validated config and how to launch it (nothing written yet: :func:`_claim` does)."""
     given = _given_launch(args)
     if args.resume:
         if args.config or args.overrides or args.overwrite:
@@ -244,11 +251,15 @@ def _prepare(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any]]:
     _check_launch(config, launch)
     check_run(config)  # loads a table or a model factory now, so bad input fails before any engine
     _check_metrics_port(config.metrics_port)
+    return config, launch
+
+
+def _claim(args: argparse.Namespace, config: RunConfig, launch: dict[str, Any]) -> RunConfig:
+    """The results folder claimed (a new run) or its launch recorded again (``--resume``); the config with it."""
     if args.resume:
         record_launch(Path(config.results_dir), launch)
-    else:
-        config = claim_run(config, launch, args.overwrite)
-    return config, launch
+        return config
+    return claim_run(config, launch, args.overwrite)
 
 
 def _given_launch(args: argparse.Namespace) -> dict[str, Any]:

@@ -184,6 +184,32 @@ def test_an_interrupt_during_a_checkpoint_write_waits_for_it(tmp_path, monkeypat
     assert "rounds 1–2 are kept" in err
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_the_folder_is_claimed_leaves_a_resumable_run(tmp_path, monkeypatch, capsys, signum,
+                                                                        one_thread):
+    """The signal lands while the results folder is being claimed: the claim completes, the folder says
+    "interrupted" with the resume hint, and ``--resume`` runs the whole run to the reference's end."""
+    from fedhog.engines import claim_run as real_claim
+
+    def claim_then_signal(*args, **kwargs):
+        claimed = real_claim(*args, **kwargs)
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)  # the handler has run by now: deferred, so raised when the claim's block ends
+        return claimed
+
+    monkeypatch.setattr(cli, "claim_run", claim_then_signal)
+    results = tmp_path / "run"
+    code = cli.main(["run", "--engine", "inprocess", *_sets(results)])
+    err = capsys.readouterr().err
+    assert _check_interrupted(results, code, err, signum) == 0
+    assert "no round had finished" in " ".join(err.split())
+    monkeypatch.undo()
+    assert cli.main(["run", "--resume", str(results)]) == 0, capsys.readouterr().err
+    reference = tmp_path / "reference"
+    assert cli.main(["run", "--engine", "inprocess", *_sets(reference)]) == 0
+    _same_results(reference, results)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
 def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one_thread):
