@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, RunConfig, load_config
 from .engines import DEFAULT_ENGINE, check_run, claim_run, engine_named, run_engine
+from .flower_log import flower_log_level
 from .results import mark_interrupted, read_run_document
 
 
@@ -86,7 +86,7 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
     resolved = claim_run(resolved, {"command": "run", "engine": engine, "client_cpus": 1}, overwrite)
     directory = Path(resolved.results_dir)
     try:
-        with _flower_log(logging.INFO if verbose else logging.WARNING):
+        with flower_log_level(logging.INFO if verbose else logging.WARNING):
             run_engine(engine, resolved)
     except ConfigError:
         raise
@@ -100,18 +100,6 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
         raise RunFailed(f"the run did not finish: {document.get('error', 'no metrics.json')} "
                         f"(what was done is in {directory})", directory)
     return RunResult(directory, document)
-
-
-@contextmanager
-def _flower_log(level: int) -> Iterator[None]:
-    """Flower's logger (which fedhog's ServerApp logs through too) at ``level`` inside the block."""
-    logger = logging.getLogger("flwr")
-    before = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
 
 
 def _kebab(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from .choices import EXPORT_FORMATS
 from .config import ConfigError, RunConfig, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local
 from .engines import DEFAULT_ENGINE, ENGINES, Engine, check_run, claim_run, engine_named
+from .flower_log import flower_logger
 from .progress import console, format_value, read_metrics_file, watch_metrics
 from .results import (
     clear_stop_request,
@@ -154,7 +155,7 @@ def audit_command(args: argparse.Namespace) -> int:
         else:
             config = load_config(path, overrides)
         output = args.output or config.results_dir or str(default_results_dir())
-        logging.getLogger("flwr").setLevel(logging.WARNING)
+        flower_logger().setLevel(logging.WARNING)
         result = runner.audit(config, results_dir=output, **options)
     except ConfigError as error:
         _error("config error", error)
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with interrupts.deferred():  # claimed whole; an interrupt during the claim is raised once it is done
                 config = _claim(args, config, launch)
+        except ConfigError as error:  # the folder cannot be claimed (holds a run, other files, below a file)
+            _error("config error", error)
+            return 2
         except (KeyboardInterrupt, SystemExit) as stop:
             if (code := interrupts.interrupt_exit_code(stop)) is None:
                 raise
@@ -372,7 +376,7 @@ def _run_watched(engine: Engine, config: RunConfig, client_cpus: int, directory:
     stop = threading.Event()
     watcher = threading.Thread(target=watch_metrics, args=(directory, config.rounds, lambda: not stop.is_set()),
                                daemon=True, name="fedhog-progress")
-    flower = logging.getLogger("flwr")
+    flower = flower_logger()
     level = flower.level
     flower.setLevel(logging.WARNING)
     watcher.start()

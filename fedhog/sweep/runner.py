@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import ConfigError, load_config
 from ..engines import run_engine
+from ..flower_log import flower_logger
 from ..progress import console, read_metrics_file
 from .audit import collect_audits, is_audited, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
@@ -202,7 +203,7 @@ class _DropPerCellWarnings(logging.Filter):
 @contextmanager
 def _quiet_flower() -> Iterator[None]:
     """Flower's logger at WARNING, without the warnings every cell repeats (the sweep says them once)."""
-    logger = logging.getLogger("flwr")
+    logger = flower_logger()
     level, quiet = logger.level, _DropPerCellWarnings()
     logger.setLevel(logging.WARNING)
     logger.addFilter(quiet)
