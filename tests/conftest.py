@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 
+# Flower's console handler writes to the sys.stderr of the moment Flower is first imported: imported inside a test
+# that captures output (capsys), it would keep that test's stream, closed when the test ends, and every later test
+# would print a "Logging error" traceback. Imported here, it keeps the session's stream.
+import flwr.common.logger  # noqa: F401  isort: skip
+
 
 @pytest.fixture
 def shared_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
