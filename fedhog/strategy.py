@@ -28,17 +28,28 @@ from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.distributed_gaussian import DistributedGaussianAccountant
 from .privacy.mechanism import (
     MAX_TAIL_DELTA_SHARE,
+    AggregateStats,
     Contribution,
     MechanismSettings,
     NoiseLattice,
     add_noise,
     aggregate,
-    norms_of,
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness, standard_normal
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .protocol import BadReply, ClientResult, Rejection
-from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
+from .replies import (
+    CohortReplies,
+    CohortRunner,
+    MessageRunner,
+    ReducedCohort,
+    ReducingRunner,
+    ReductionPlan,
+    ReplyCheck,
+    ReplyReader,
+    TrainRequest,
+    train_messages,
+)
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
@@ -318,21 +329,75 @@ class SecureAggregator(Strategy):
         flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
         xis = [0.0] * len(contributions)
-        # One ξ per slot of the population: a client's ξ does not depend on who else replied.
         if self.mechanism.kind == "hog":
-            per_slot = standard_normal(randomness.mixing, len(self.slot_of_node))
+            per_slot = self._xis(randomness)
             xis = [float(per_slot[slot]) for slot, _, _ in contributions]
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
-        settings = self.mechanism
-        if self.adaptive_clipping is not None:
-            settings = dataclasses.replace(settings, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                           noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        settings = self._round_settings()
         averaged, stats = aggregate(
             [c for _, c, _ in contributions], settings, expected_cohort,
             xis, randomness.noise, flat_global.numel(), flat_global.dtype,
         )
         if self.mechanism.kind == "none" and not contributions:
             return None, None
+        return self._release(server_round, flat_global, averaged, stats, settings, randomness,
+                             [metrics for _, _, metrics in contributions])
+
+    def _xis(self, randomness: RoundRandomness) -> np.ndarray:
+        """This round's ξ, one per slot of the population, so that a client's ξ does not depend on who else
+        replied (nor on where its result is reduced)."""
+        return standard_normal(randomness.mixing, len(self.slot_of_node))
+
+    def _round_settings(self) -> MechanismSettings:
+        """The mechanism of this round: with adaptive clipping, its current C and the update's σ."""
+        if self.adaptive_clipping is None:
+            return self.mechanism
+        return dataclasses.replace(self.mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
+                                   noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+
+    def reduction_plan(self) -> ReductionPlan:
+        """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""
+        hog = self.mechanism.kind == "hog"  # ξ drawn before training: the mixing stream is the round's own
+        xis = dict.fromkeys(self._cohort.values(), 0.0)
+        if hog:
+            per_slot = self._xis(self._round_randomness)
+            xis = {slot: float(per_slot[slot]) for slot in xis}
+        dimension = sum(int(np.prod(a.shape)) for a in self._global.values())
+        return ReductionPlan(self.reply_check, self._round_settings(), xis, dimension)
+
+    def finish_reduced(self, server_round: int, reduced: ReducedCohort,
+                       plan: ReductionPlan) -> tuple[ArrayRecord, MetricRecord]:
+        """End a round whose cohort a runner reduced to one lattice sum: count, noise the sum once, release.
+
+        The same release as :meth:`finish_round` on the same results: the same checks, the
+        same exact sum, the same noise, statistics over the accepted contributions in slot order.
+        """
+        record = self.current
+        record.bytes_received += reduced.bytes_received
+        for slot, error in sorted(reduced.refused, key=lambda item: item[0]):
+            self._count_rejection(server_round, f"slot {slot}", error)
+        accepted = sorted(reduced.accepted, key=lambda c: c.slot)
+        record.clients_accepted = len(accepted)
+        if record.clients_sampled and not accepted:
+            self._note_empty_round(server_round)
+        flat_global = flatten_record(self._global)
+        randomness, self._round_randomness = self._round_randomness, None
+        expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
+        noisy_sum, sum_std = add_noise(reduced.lattice_sum, plan.settings, plan.lattice, randomness.noise)
+        norms = [c.norm_before_clip for c in accepted]
+        ratios = [c.mixing_ratio for c in accepted if not math.isnan(c.mixing_ratio)]
+        stats = AggregateStats(len(accepted), _mean(norms), _mean([float(c.clipped) for c in accepted]),
+                               sum_std / expected_cohort, _mean(ratios), tuple(norms))
+        averaged = (noisy_sum / expected_cohort).to(flat_global.dtype)
+        return self._release(server_round, flat_global, averaged, stats, plan.settings, randomness,
+                             [c.metrics for c in accepted])
+
+    def _release(self, server_round: int, flat_global: torch.Tensor, averaged: torch.Tensor,
+                 stats: AggregateStats, settings: MechanismSettings, randomness: RoundRandomness,
+                 client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
+        """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
+        record = self.current
+        expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         record.clipping_norm = settings.clipping_norm
         if self.adaptive_clipping is not None:
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
@@ -344,7 +409,6 @@ class SecureAggregator(Strategy):
         record.fraction_clipped = stats.fraction_clipped
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
-        client_metrics = [metrics for _, _, metrics in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
                   if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
@@ -470,50 +534,13 @@ class SecureAggregator(Strategy):
         return verdict
 
     def _validate(self, results: list[ClientResult]) -> list[Contribution | BadReply]:
-        """Each well-formed result's contribution, or why it is refused.
+        """Each well-formed result's contribution, or why it is refused (:class:`~fedhog.replies.ReplyCheck`)."""
+        return self.reply_check.verdicts(results)
 
-        Norms are float64 and scaled (float32 entries near 1e19 do not make them inf), computed for the
-        whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
-        """
-        update_norms, updates_finite = norms_of([r.update for r in results])
-        hog = self.mechanism.kind == "hog"
-        with_terms = [r for r in results if hog and r.term is not None]
-        term_norms, terms_finite = norms_of([r.term for r in with_terms])
-        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
-        verdicts: list[Contribution | BadReply] = []
-        for result, norm, finite in zip(results, update_norms, updates_finite, strict=True):
-            try:
-                verdicts.append(self._accept(result, norm, finite, term_check.get(id(result))))
-            except BadReply as error:
-                verdicts.append(error)
-        return verdicts
-
-    def _accept(self, result: ClientResult, norm: float, finite: bool,
-                term_check: tuple[float, bool] | None) -> Contribution:
-        metrics = result.metrics
-        weight = 1
-        if not self.equal_weights:
-            weight = metrics.get(protocol.NUM_EXAMPLES)
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
-        if not finite:
-            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
-        if not norm <= self.max_update_norm:
-            raise BadReply(Rejection.TOO_LARGE,
-                           f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
-                           if math.isfinite(norm) else f"update norm {norm} is not finite")
-        if self.mechanism.kind != "hog":
-            return Contribution(update=result.update, weight=weight)
-        if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
-            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
-        if result.term is None or term_check is None:
-            raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{protocol.TERM}'")
-        term_norm, term_finite = term_check
-        if not term_finite:
-            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.TERM}' holds NaN or inf")
-        if not math.isfinite(term_norm):
-            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "its norm is not finite in float64")
-        return Contribution(update=result.update, weight=weight, term=result.term)
+    @property
+    def reply_check(self) -> ReplyCheck:
+        """The check every result passes before it contributes, here or where a runner reduces the cohort."""
+        return ReplyCheck(self.mechanism.kind, self.max_update_norm, self.equal_weights)
 
     # --- no federated evaluation: the server evaluates centrally -------------
     def configure_evaluate(
@@ -575,8 +602,12 @@ class SecureAggregator(Strategy):
             if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
                 new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
             else:
-                replies = runner.train(self._train_request(server_round, arrays, config, timeout))
-                new_arrays, train_metrics = self.finish_replies(server_round, replies)
+                request = self._train_request(server_round, arrays, config, timeout)
+                if isinstance(runner, ReducingRunner) and self.mechanism.kind != "none":  # reduced where trained
+                    plan = self.reduction_plan()
+                    new_arrays, train_metrics = self.finish_reduced(server_round, runner.reduce(request, plan), plan)
+                else:
+                    new_arrays, train_metrics = self.finish_replies(server_round, runner.train(request))
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
@@ -642,3 +673,8 @@ class _WeightsWatch:
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _mean(values: list[float]) -> float:
+    """The mean in the order given (that of :func:`~fedhog.privacy.mechanism.aggregate`'s statistics), NaN if none."""
+    return sum(values) / len(values) if values else math.nan
