@@ -57,6 +57,9 @@ MEANINGS: dict[str, str] = {
     'server-step-max': 'the largest s',
     'max-update-norm': ('replies whose update is longer are rejected as implausible (too large); a '
                         'sanity bound, not a privacy one'),
+    'shards': ('the vectorized engine splits each cohort over this many workers: 1 trains in this process, '
+               'more start Ray actors (a local Ray, or the cluster at RAY_ADDRESS); the release is the same '
+               'bits for every count (see The vectorized engine)'),
     'round-timeout': ("seconds the server waits for a round's replies (and for discovery); a client "
                       'that has not answered by then counts as failed and the round goes on'),
     'aggregator': ("fedhog (SecureAggregator), or flower-dp: Flower's own "
