@@ -333,8 +333,9 @@ def clients_training_data(spec: DataSpec,
     held for the whole population (:func:`holds_population`) is not copied: ``x, y`` are the pool.
     """
     if holds_population(spec):
-        x, y, indices = population_training_data(spec)
-        return x, y, tuple(indices[p] for p in partitions)
+        validate_spec(spec)
+        fed = _federation(spec)
+        return fed.x, fed.y, tuple(fed.clients[p][0] for p in partitions)
     train = [load_client_data(spec, p)[0] for p in partitions]
     ends = np.cumsum([len(t) for t in train])
     return (np.concatenate([t.x for t in train]) if train else np.zeros((0, 60), np.float32),
@@ -345,8 +346,9 @@ def clients_training_data(spec: DataSpec,
 def training_sizes(spec: DataSpec, partitions: list[int]) -> list[int]:
     """How many training examples each of these clients holds (without generating ``synthetic-large``'s data)."""
     if holds_population(spec):
-        _, _, indices = population_training_data(spec)
-        return [len(indices[p]) for p in partitions]
+        validate_spec(spec)
+        clients = _federation(spec).clients
+        return [len(clients[p][0]) for p in partitions]
     return [n - int(spec.test_fraction * n) - int(spec.validation_fraction * (n - int(spec.test_fraction * n)))
             for n in (_large_count(np.random.default_rng([spec.seed, p])) for p in partitions)]
 

@@ -196,6 +196,15 @@ def test_synthetic_large_makes_each_clients_data_from_its_own_stream():
         population_training_data(huge)
 
 
+def test_a_cohorts_data_and_sizes_are_its_clients_own_where_the_population_is_held():
+    spec = DataSpec(dataset="digits", num_partitions=12)
+    x, y, indices = clients_training_data(spec, [7, 2, 7])
+    assert x is population_training_data(spec)[0]  # the pool itself, not a copy
+    assert training_sizes(spec, [7, 2, 7]) == [len(i) for i in indices]
+    for p, own in zip([7, 2, 7], indices, strict=True):
+        assert same_arrays(ArrayData(x[own], y[own]), load_client_data(spec, p)[0])
+
+
 def same_arrays(a, b) -> bool:
     return np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
 
