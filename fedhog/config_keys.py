@@ -6,8 +6,9 @@ One line a key; the README's Configuration table says the same at more length
 
 MEANINGS: dict[str, str] = {
     'dataset': ('mnist1d, digits (scikit-learn), synthetic / synthetic:<α>,<β> (FedProx Synthetic(α, '
-                'β)), hf:<id> (Hugging Face via flwr-datasets, needs network), or your table: '
-                'csv:PATH, parquet:PATH, npz:PATH (see Your model, your data)'),
+                'β)), synthetic-large / synthetic-large:<α>,<β> (the same, each client generated from its own '
+                'stream when sampled: any population), hf:<id> (Hugging Face via flwr-datasets, needs '
+                'network), or your table: csv:PATH, parquet:PATH, npz:PATH (see Your model, your data)'),
     'label-column': 'tables only: the column holding the label',
     'feature-columns': 'tables only: the feature columns, comma-separated (empty: all others)',
     'client-column': "tables only: the column naming each row's client (one client per value)",

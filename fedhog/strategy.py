@@ -27,6 +27,7 @@ from .privacy.accounting import ClientLevelAccountant
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.distributed_gaussian import DistributedGaussianAccountant
 from .privacy.mechanism import (
+    MAX_CONTRIBUTIONS,
     MAX_TAIL_DELTA_SHARE,
     AggregateStats,
     Contribution,
@@ -357,6 +358,8 @@ class SecureAggregator(Strategy):
 
     def reduction_plan(self) -> ReductionPlan:
         """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""
+        if len(self._cohort) > MAX_CONTRIBUTIONS:  # the shards' int64 sums must not overflow either
+            raise ValueError(f"{len(self._cohort)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         hog = self.mechanism.kind == "hog"  # ξ drawn before training: the mixing stream is the round's own
         xis = dict.fromkeys(self._cohort.values(), 0.0)
         if hog:

@@ -31,7 +31,7 @@ from fedhog.data import (
 )
 from fedhog.engines import run_engine
 from fedhog.engines.inprocess import InProcessGrid
-from fedhog.engines.shards import LocalShards, cohort_blocks, shard_blocks
+from fedhog.engines.shards import CohortShard, LocalShards, actor_options, cohort_blocks, shard_blocks
 from fedhog.engines.vectorized import VectorizedGrid, VectorizedRunner, run_vectorized
 from fedhog.protocol import Rejection
 from fedhog.replies import reduce_results
@@ -85,8 +85,22 @@ def test_blocks_depend_on_the_cohort_alone_and_shards_take_whole_blocks():
     {"max-update-norm": 0.6},
     pytest.param({"mechanism": "gaussian", "sampling": "poisson", "adaptive-clipping": False}, marks=pytest.mark.slow),
 ], ids=["hog-adaptive-rejections", "gaussian-poisson"])
-def test_the_release_is_the_same_bits_however_the_cohort_is_split(tmp_path, overrides):
-    runs = {n: _run_split(_config(tmp_path, f"shards-{n}", **overrides), n) for n in (1, 2, 3)}
+def test_the_release_is_the_same_bits_however_the_cohort_is_split(tmp_path, monkeypatch, overrides):
+    batches: dict[int, list[list[int]]] = {}  # split -> the clients of every batch trained, in order
+    work = CohortShard.work
+
+    def recording(shard, state, partitions, seeds, hog):
+        batches[split].append(list(partitions))
+        return work(shard, state, partitions, seeds, hog)
+
+    monkeypatch.setattr(CohortShard, "work", recording)
+    runs = {}
+    for split in (1, 2, 3):
+        batches[split] = []
+        runs[split] = _run_split(_config(tmp_path, f"shards-{split}", **overrides), split)
+    # what makes the bits equal: every client trains in the same batch, with the same partners, whatever the split
+    assert batches[2] == batches[3] == batches[1]
+    assert max(len(b) for b in batches[1]) == BLOCK < max(r["clients_sampled"] for r in runs[1][0]["rounds"])
     (one, model), others = runs[1], [runs[2], runs[3]]
     assert one["status"] == "finished" and len(one["rounds"]) == SPLIT["rounds"]
     assert max(r["clients_sampled"] for r in one["rounds"]) > 2 * BLOCK  # more blocks than shards: a real split
@@ -157,6 +171,17 @@ def test_a_reduction_carries_no_client_vector_back():
     assert len(reduced.accepted) + len(reduced.refused) == len(request.cohort)
     for contribution in reduced.accepted:
         assert all(isinstance(v, (int, float)) for v in contribution.metrics.values())
+
+
+def test_each_actor_asks_for_its_share_and_picks_its_device_where_it_runs():
+    assert actor_options({"CPU": 16.0}, "auto", 4) == {"num_cpus": 1.0, "num_gpus": 0.0}  # no GPU: CPU in the actor
+    assert actor_options({"CPU": 2.0}, "auto", 4) == {"num_cpus": 0.5, "num_gpus": 0.0}  # more shards than CPUs
+    assert actor_options({"CPU": 16.0, "GPU": 1.0}, "auto", 2) == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert actor_options({"CPU": 16.0, "GPU": 8.0}, "cuda", 4) == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert actor_options({"CPU": 16.0, "GPU": 8.0}, "cpu", 4)["num_gpus"] == 0.0
+    shard = LocalShards(RunConfig().with_overrides({**SPLIT, "device": "auto"})).shard
+    assert shard.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert shard.trainer.x.device.type == shard.device.type
 
 
 def test_shards_is_validated_and_needs_the_vectorized_engine(tmp_path):

@@ -158,9 +158,11 @@ class RayShards:
     """``count`` shards as Ray actors, each a :class:`CohortShard` with the driver's torch thread count.
 
     ``ray.init()`` joins the cluster at ``RAY_ADDRESS`` when that is set (and
-    Ray is not initialised yet), else starts a local Ray, which :meth:`close`
-    stops. An actor asks for a share of the CPUs (and, where the device can
-    be CUDA and the cluster has GPUs, of the GPUs): its device is chosen on its machine.
+    Ray is not initialised yet), else starts a local Ray that never spills its
+    object store to disk (a cluster's own configuration decides that:
+    ``automatic_object_spilling_enabled``) and that :meth:`close` stops. Each
+    actor asks for its share of the cluster (:func:`actor_options`) and
+    chooses its device on its own machine.
     """
 
     def __init__(self, config: RunConfig, count: int) -> None:
@@ -170,12 +172,11 @@ class RayShards:
         self.started = not ray.is_initialized()
         if self.started:
             env = {name: os.environ[name] for name in ("FEDHOG_CACHE",) if name in os.environ}
-            ray.init(include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
-        resources = ray.cluster_resources()
-        gpus = resources.get("GPU", 0.0) if config.device != "cpu" else 0.0
-        options = {"num_cpus": min(1.0, resources.get("CPU", 1.0) / count),
-                   "num_gpus": min(1.0, gpus / count) if gpus else 0}
-        actor = ray.remote(CohortShard).options(**options)
+            local = {} if os.environ.get("RAY_ADDRESS") else {  # a cluster's own configuration decides there
+                "include_dashboard": False,
+                "_system_config": {"automatic_object_spilling_enabled": False}}  # private norms and ξ: not on disk
+            ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, **local)
+        actor = ray.remote(CohortShard).options(**actor_options(ray.cluster_resources(), config.device, count))
         threads = torch.get_num_threads()
         self.actors = [actor.remote(config, threads) for _ in range(count)]
 
@@ -195,6 +196,14 @@ class RayShards:
         self.actors = []
         if self.started:
             ray.shutdown()
+
+
+def actor_options(resources: dict[str, float], device: str, count: int) -> dict[str, float]:
+    """What each of ``count`` shard actors asks of a cluster with ``resources``: a CPU (a share where there are
+    fewer CPUs than shards) and, unless ``device`` is ``cpu``, an equal share of the cluster's GPUs (none where it
+    has none: ``auto`` then picks the CPU in the actor, ``cuda`` fails there, naming the device)."""
+    gpus = resources.get("GPU", 0.0) if device != "cpu" else 0.0
+    return {"num_cpus": min(1.0, resources.get("CPU", 1.0) / count), "num_gpus": min(1.0, gpus / count)}
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
