@@ -242,6 +242,16 @@ def test_a_grid_of_a_million_nodes_makes_a_context_only_when_asked():
     assert len(grid.contexts._made) == 1 and grid.contexts.get(-5) is None
 
 
+def test_discovery_on_the_vectorized_grid_asks_no_node_and_keys_slots_by_partition():
+    config = RunConfig().with_overrides({"dataset": "synthetic-large", "model": "mlp", "population": 10**5,
+                                         "sampling-rate": 0.01, "delta": 1e-6, "privacy-seed": 3})
+    grid = VectorizedGrid(client_app, config)
+    strategy = build_strategy(config)
+    strategy.discover(grid, config.population, 10, identify=True)
+    assert strategy.slot_of_node == grid.partition_of_node  # as the ClientApp's answers would key them
+    assert len(grid.contexts._made) == 0  # no message, no Context
+
+
 # --- Ray -------------------------------------------------------------------------------------------------------
 
 

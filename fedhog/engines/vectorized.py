@@ -66,6 +66,7 @@ class VectorizedGrid(InProcessGrid):
     def __init__(self, client_app: ClientApp, config: RunConfig) -> None:
         super().__init__(client_app, config.population, config.to_mapping())
         self.config = config
+        self.known_partitions = self.partition_of_node  # discovery asks no node: a million messages and contexts
         self.cohort_runner = VectorizedRunner(config, self.partition_of_node)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
