@@ -146,6 +146,10 @@ class LocalShards:
         self.count = count
         self.shard = CohortShard(config)
 
+    def shared(self, value: Any) -> Any:
+        """``value``, to pass to every shard (here: as it is)."""
+        return value
+
     def map(self, method: str, shares: list[tuple[Any, ...]]) -> list[Any]:
         """``shard.method(*share)`` for every shard's share."""
         return [getattr(self.shard, method)(*share) for share in shares]
@@ -179,6 +183,12 @@ class RayShards:
         actor = ray.remote(CohortShard).options(**actor_options(ray.cluster_resources(), config.device, count))
         threads = torch.get_num_threads()
         self.actors = [actor.remote(config, threads) for _ in range(count)]
+
+    def shared(self, value: Any) -> Any:
+        """``value`` put in Ray's object store once, to pass to every actor (each call resolves it)."""
+        import ray
+
+        return ray.put(value)
 
     def map(self, method: str, shares: list[tuple[Any, ...]]) -> list[Any]:
         """``actor.method(*share)`` on every actor at once; their answers in shard order."""

@@ -25,6 +25,7 @@ its inputs; one that is not fails in the first round, naming vmap's reason.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from logging import WARNING
 
 import torch
@@ -118,7 +119,7 @@ class VectorizedRunner:
         """What every node of the cohort would reply to this round's train message, and the bytes it would send."""
         if not request.cohort:  # Poisson sampling can draw nobody: the round releases the noise alone
             return CohortReplies()
-        state = request.arrays.to_torch_state_dict()
+        state = self.shards.shared(request.arrays.to_torch_state_dict())
         out = CohortReplies()
         for results, nbytes in self.shards.map("results", [(request.server_round, state, share)
                                                            for share in self._shares(request)]):
@@ -128,13 +129,18 @@ class VectorizedRunner:
         return out
 
     def reduce(self, request: TrainRequest, plan: ReductionPlan) -> ReducedCohort:
-        """The cohort trained, and each shard's results checked and summed on the lattice where they are; added."""
+        """The cohort trained, and each shard's results checked and summed on the lattice where they are; added.
+
+        Each shard is sent the global model once and the ξ of its own clients only.
+        """
         total = ReducedCohort(torch.zeros(plan.dimension, dtype=torch.int64))
         if not request.cohort:
             return total
-        state = request.arrays.to_torch_state_dict()
-        for part in self.shards.map("reduce", [(request.server_round, state, share, plan)
-                                               for share in self._shares(request)]):
+        state = self.shards.shared(request.arrays.to_torch_state_dict())
+        shares = self._shares(request)
+        own_xis = [{slot: plan.xis[slot] for block in share for slot, _ in block} for share in shares]
+        for part in self.shards.map("reduce", [(request.server_round, state, share, replace(plan, xis=xis))
+                                               for share, xis in zip(shares, own_xis, strict=True)]):
             total = total.add(part)
         return total
 
