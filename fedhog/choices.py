@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 # data (fedhog.data)
-DATASETS = ("mnist1d", "digits", "synthetic")
+DATASETS = ("mnist1d", "digits", "synthetic", "synthetic-large")
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 TABULAR_FORMATS = ("csv", "parquet", "npz")
 # model and local training (fedhog.models, fedhog.training)

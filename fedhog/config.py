@@ -108,6 +108,7 @@ class RunConfig:
     server_step_max: float = 4.0
     round_timeout: float = 600.0
     max_update_norm: float = math.inf
+    shards: int = 1  # the vectorized engine's workers (fedhog.engines.shards): 1 in this process, more on Ray
     # privacy
     aggregator: str = "fedhog"
     mechanism: str = "hog"
@@ -315,7 +316,7 @@ class RunConfig:
                               f"optimizer={self.optimizer!r}: they send or use derivatives of the raw records, "
                               "which the per-record ε does not cover")
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
-                    "hog-batch-size", "classes-per-client"):
+                    "hog-batch-size", "classes-per-client", "shards"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
         for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "server-tau", "server-step-max",
                     "clipping-norm",

@@ -6,8 +6,9 @@ One line a key; the README's Configuration table says the same at more length
 
 MEANINGS: dict[str, str] = {
     'dataset': ('mnist1d, digits (scikit-learn), synthetic / synthetic:<α>,<β> (FedProx Synthetic(α, '
-                'β)), hf:<id> (Hugging Face via flwr-datasets, needs network), or your table: '
-                'csv:PATH, parquet:PATH, npz:PATH (see Your model, your data)'),
+                'β)), synthetic-large / synthetic-large:<α>,<β> (the same, each client generated from its own '
+                'stream when sampled: any population), hf:<id> (Hugging Face via flwr-datasets, needs '
+                'network), or your table: csv:PATH, parquet:PATH, npz:PATH (see Your model, your data)'),
     'label-column': 'tables only: the column holding the label',
     'feature-columns': 'tables only: the feature columns, comma-separated (empty: all others)',
     'client-column': "tables only: the column naming each row's client (one client per value)",
@@ -57,6 +58,9 @@ MEANINGS: dict[str, str] = {
     'server-step-max': 'the largest s',
     'max-update-norm': ('replies whose update is longer are rejected as implausible (too large); a '
                         'sanity bound, not a privacy one'),
+    'shards': ('the vectorized engine splits each cohort over this many workers: 1 trains in this process, '
+               'more start Ray actors (a local Ray, or the cluster at RAY_ADDRESS); the release is the same '
+               'bits for every count (see The vectorized engine)'),
     'round-timeout': ("seconds the server waits for a round's replies (and for discovery); a client "
                       'that has not answered by then counts as failed and the round goes on'),
     'aggregator': ("fedhog (SecureAggregator), or flower-dp: Flower's own "

@@ -23,6 +23,11 @@ Layout of one spec:
   ``partitioner``, ``dirichlet_alpha`` and ``num_samples`` are ignored) and hands
   ``test_fraction`` of it to the central test set. Plain ``synthetic`` is
   Synthetic(1, 1).
+* ``synthetic-large`` / ``synthetic-large:<alpha>,<beta>``: the same generator,
+  but client k's data comes from a stream of its own (seeded by ``(seed, k)``)
+  and is generated when asked for, never for the whole population: a population
+  of millions costs nothing until its clients are sampled. The test set is the
+  ``test_fraction`` held out by the first :data:`LARGE_TEST_CLIENTS` clients.
 
 Besides the test set, the server may hold two more sets apart from every
 client's data and from the test set (``mnist1d``, ``digits`` and ``hf:``
@@ -49,7 +54,7 @@ import math
 import os
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,6 +69,8 @@ if TYPE_CHECKING:
 
 HF_PREFIX = "hf:"
 SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
+LARGE_SYNTHETIC = "synthetic-large"
+LARGE_TEST_CLIENTS = 1000  # synthetic-large: the clients whose held-out examples are the test set
 _stage = logging.getLogger("fedhog.stage").info  # what the progress display shows before the first round
 
 
@@ -155,14 +162,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _synthetic_params(dataset: str) -> tuple[float, float] | None:
-    """Return (alpha, beta) of a ``synthetic`` dataset name, ``None`` for other names."""
-    if dataset == "synthetic":
+def _synthetic_params(dataset: str, name: str = "synthetic") -> tuple[float, float] | None:
+    """Return (alpha, beta) of a ``synthetic`` dataset name (``name``), ``None`` for other names."""
+    if dataset == name:
         return 1.0, 1.0
-    if not dataset.startswith("synthetic:"):
+    if not dataset.startswith(f"{name}:"):
         return None
     try:
-        alpha, beta = (float(v) for v in dataset.removeprefix("synthetic:").split(","))
+        alpha, beta = (float(v) for v in dataset.removeprefix(f"{name}:").split(","))
     except ValueError:
         return None
     ok = all(math.isfinite(v) and v >= 0 for v in (alpha, beta))
@@ -190,12 +197,14 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
     if not isinstance(dataset, str) or not (
         dataset in DATASETS
         or _synthetic_params(dataset) is not None
+        or _large_params(dataset) is not None
         or (dataset.startswith(HF_PREFIX) and len(dataset) > len(HF_PREFIX))
         or tabular_source(dataset) is not None
     ):
         raise _reject(
             "dataset", dataset,
-            f"one of {DATASETS}, 'synthetic:<alpha>,<beta>' with alpha, beta >= 0, "
+            f"one of {DATASETS}, 'synthetic:<alpha>,<beta>' or 'synthetic-large:<alpha>,<beta>' with alpha, "
+            "beta >= 0, "
             f"'{HF_PREFIX}<hugging face id>' or a table: 'csv:PATH', 'parquet:PATH' or 'npz:PATH'",
         )
     _validate_tabular(spec)
@@ -219,7 +228,7 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
         value = getattr(spec, key)
         if not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise _reject(key, value, "a number in [0, 1)")
-        if value > 0 and _synthetic_params(dataset) is not None:
+        if value > 0 and (_synthetic_params(dataset) or _large_params(dataset)) is not None:
             raise _reject(key, value, "0 for synthetic data, where every example belongs to a client")
     held_out = spec.test_fraction + spec.server_validation_fraction + spec.proxy_fraction
     if held_out >= 1:
@@ -249,7 +258,7 @@ def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
         return (1, 40), 10
     if spec.dataset == "digits":
         return (1, 8, 8), 10
-    if _synthetic_params(spec.dataset) is not None:
+    if _synthetic_params(spec.dataset) is not None or _large_params(spec.dataset) is not None:
         return (60,), 10
     x, _, _, num_classes = _load_hf(spec.dataset.removeprefix(HF_PREFIX), spec.seed)
     return tuple(x.shape[1:]), num_classes
@@ -258,6 +267,9 @@ def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
 def load_test_set(spec: DataSpec) -> ArrayData:
     """Return (a copy of) the central test set, disjoint from every client's data."""
     validate_spec(spec)
+    if _large_params(spec.dataset) is not None:
+        held = [_large_client(spec, k)[2] for k in range(min(spec.population, LARGE_TEST_CLIENTS))]
+        return ArrayData(np.concatenate([h.x for h in held]), np.concatenate([h.y for h in held]))
     test = _federation(spec).test
     return ArrayData(test.x.copy(), test.y.copy())
 
@@ -265,6 +277,8 @@ def load_test_set(spec: DataSpec) -> ArrayData:
 def load_server_validation_set(spec: DataSpec) -> ArrayData:
     """Return the server's validation set (empty unless ``server_validation_fraction > 0``)."""
     validate_spec(spec)
+    if _large_params(spec.dataset) is not None:
+        return _empty_like(load_test_set(replace(spec, population=1)))
     held = _federation(spec).server_validation
     return ArrayData(held.x.copy(), held.y.copy())
 
@@ -272,6 +286,8 @@ def load_server_validation_set(spec: DataSpec) -> ArrayData:
 def load_proxy_set(spec: DataSpec) -> ArrayData:
     """Return the server's proxy set (empty unless ``proxy_fraction > 0``)."""
     validate_spec(spec)
+    if _large_params(spec.dataset) is not None:
+        return _empty_like(load_test_set(replace(spec, population=1)))
     held = _federation(spec).proxy
     return ArrayData(held.x.copy(), held.y.copy())
 
@@ -285,6 +301,10 @@ def load_client_data(spec: DataSpec, partition_id: int) -> tuple[ArrayData, Arra
     callers must handle that.
     """
     validate_spec(spec, partition_id)
+    if _large_params(spec.dataset) is not None:
+        x, y, _ = _large_client(spec, partition_id)
+        train, val = _train_val_split(np.arange(len(y)), spec.validation_fraction)
+        return ArrayData(x[train], y[train]), ArrayData(x[val], y[val])
     fed = _federation(spec)
     train, val = fed.clients[partition_id]
     return ArrayData(fed.x[train], fed.y[train]), ArrayData(fed.x[val], fed.y[val])
@@ -297,8 +317,44 @@ def population_training_data(spec: DataSpec) -> tuple[np.ndarray, np.ndarray, tu
     view the vectorized engine keeps on its device once, for the whole population.
     """
     validate_spec(spec)
+    if not holds_population(spec):
+        raise ValueError(f"data: dataset={spec.dataset!r} is generated client by client, never for the whole "
+                         "population; ask for a cohort's (clients_training_data)")
     fed = _federation(spec)
     return fed.x, fed.y, tuple(train for train, _ in fed.clients)
+
+
+def holds_population(spec: DataSpec) -> bool:
+    """Whether the spec's data exists for the whole population at once (all but ``synthetic-large``)."""
+    return _large_params(spec.dataset) is None
+
+
+def clients_training_data(spec: DataSpec,
+                          partitions: list[int]) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+    """Examples ``x, y`` holding these clients' training data, and client ``partitions[i]``'s indices into them.
+
+    ``load_client_data(spec, partitions[i])[0]`` is ``ArrayData(x[indices[i]], y[indices[i]])``. Data
+    held for the whole population (:func:`holds_population`) is not copied: ``x, y`` are the pool.
+    """
+    if holds_population(spec):
+        validate_spec(spec)
+        fed = _federation(spec)
+        return fed.x, fed.y, tuple(fed.clients[p][0] for p in partitions)
+    train = [load_client_data(spec, p)[0] for p in partitions]
+    ends = np.cumsum([len(t) for t in train])
+    return (np.concatenate([t.x for t in train]) if train else np.zeros((0, 60), np.float32),
+            np.concatenate([t.y for t in train]) if train else np.zeros(0, np.int64),
+            tuple(np.arange(end - len(t), end) for t, end in zip(train, ends, strict=True)))
+
+
+def training_sizes(spec: DataSpec, partitions: list[int]) -> list[int]:
+    """How many training examples each of these clients holds (without generating ``synthetic-large``'s data)."""
+    if holds_population(spec):
+        validate_spec(spec)
+        clients = _federation(spec).clients
+        return [len(clients[p][0]) for p in partitions]
+    return [n - int(spec.test_fraction * n) - int(spec.validation_fraction * (n - int(spec.test_fraction * n)))
+            for n in (_large_count(np.random.default_rng([spec.seed, p])) for p in partitions)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -441,6 +497,39 @@ def _synthetic_federation(spec: DataSpec, alpha: float, beta: float) -> _Federat
     return _Federation(
         np.concatenate(xs), np.concatenate(ys).astype(np.int64), test, empty, empty, tuple(clients)
     )
+
+
+def _large_params(dataset: str) -> tuple[float, float] | None:
+    """(alpha, beta) of a ``synthetic-large`` dataset name, ``None`` for other names."""
+    return _synthetic_params(dataset, LARGE_SYNTHETIC)
+
+
+def _large_count(rng: np.random.Generator) -> int:
+    """A ``synthetic-large`` client's number of examples: the first draw of its stream."""
+    return int(min(int(rng.lognormal(4, 2)) + 50, SYNTHETIC_MAX_SAMPLES))
+
+
+def _large_client(spec: DataSpec, k: int) -> tuple[np.ndarray, np.ndarray, ArrayData]:
+    """``synthetic-large`` client k: its examples ``x, y`` (training and validation) and its held-out test share.
+
+    :func:`_synthetic_federation`'s generator for one client, on the stream seeded by ``(seed, k)`` alone.
+    """
+    alpha, beta = _large_params(spec.dataset)
+    dim, num_classes = 60, 10
+    rng = np.random.default_rng([spec.seed, k])
+    n = _large_count(rng)
+    u = rng.normal(0, alpha)
+    v = rng.normal(rng.normal(0, beta), 1, dim)
+    w = rng.normal(u, 1, (dim, num_classes))
+    b = rng.normal(u, 1, num_classes)
+    x = (v + np.arange(1, dim + 1) ** -0.6 * rng.standard_normal((n, dim))).astype(np.float32)
+    y = np.argmax(x @ w + b, axis=1).astype(np.int64)
+    n_test = int(spec.test_fraction * n)
+    return x[n_test:], y[n_test:], ArrayData(x[:n_test], y[:n_test])
+
+
+def _empty_like(data: ArrayData) -> ArrayData:
+    return ArrayData(data.x[:0], data.y[:0])
 
 
 def tabular_source(dataset: str) -> tuple[str, Path] | None:

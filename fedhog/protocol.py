@@ -147,3 +147,7 @@ class BadReply(ValueError):
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
         self.detail = detail
+
+    def __reduce__(self) -> tuple[type[BadReply], tuple[Rejection, str]]:
+        """Pickled as its kind and detail (a sharded cohort's refusals travel back from Ray actors)."""
+        return BadReply, (self.kind, self.detail)

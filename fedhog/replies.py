@@ -12,13 +12,21 @@ engine does); :func:`runner_for` takes it. Secure-aggregation rounds do not
 come here: their stages are messages through the Grid on every engine. What
 fedhog's ClientApp replies (:func:`train_reply`) is written here too, next to
 what reads it.
+
+A runner that can also do the mechanism's per-contribution half where the
+clients' results are (a :class:`ReducingRunner`: the vectorized engine's
+shards) is handed a :class:`ReductionPlan` and returns a
+:class:`ReducedCohort`: the results checked by :class:`ReplyCheck` (the
+strategy's own check), mixed, clipped and summed on the noise lattice by
+:func:`reduce_results`; the strategy adds the noise once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -27,6 +35,7 @@ from flwr.serverapp import Grid
 from . import protocol
 from .layout import flatten_record
 from .monitoring import reply_nbytes
+from .privacy.mechanism import Contribution, Mechanism, NoiseLattice, norms_of, rows_per_pass
 from .protocol import BadReply, ClientResult, Rejection
 
 
@@ -79,6 +88,157 @@ def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tenso
 def to_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU copies, as a reply's arrays travel."""
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+@dataclass(frozen=True)
+class ReplyCheck:
+    """Whether a client result may contribute: the strategy's validation, wherever the results are.
+
+    Parameters
+    ----------
+    wants_term : bool
+        The mechanism mixes third-order terms: each result's term is checked too.
+    max_update_norm : float
+        Updates longer than this are refused as implausible.
+    equal_weights : bool
+        Results carry no record counts (DP-SGD clients); otherwise ``num-examples`` must be an integer ≥ 0.
+    """
+
+    wants_term: bool
+    max_update_norm: float = math.inf
+    equal_weights: bool = False
+
+    def verdicts(self, results: Sequence[ClientResult]) -> list[Contribution | BadReply]:
+        """Each well-formed result's contribution, or why it is refused.
+
+        Norms are float64 and scaled (float32 entries near 1e19 do not make them inf), computed for the
+        whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
+        """
+        update_norms, updates_finite = norms_of([r.update for r in results])
+        with_terms = [r for r in results if self.wants_term and r.term is not None]
+        term_norms, terms_finite = norms_of([r.term for r in with_terms])
+        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
+        verdicts: list[Contribution | BadReply] = []
+        for result, norm, finite in zip(results, update_norms, updates_finite, strict=True):
+            try:
+                verdicts.append(self._accept(result, norm, finite, term_check.get(id(result))))
+            except BadReply as error:
+                verdicts.append(error)
+        return verdicts
+
+    def _accept(self, result: ClientResult, norm: float, finite: bool,
+                term_check: tuple[float, bool] | None) -> Contribution:
+        metrics = result.metrics
+        weight = 1
+        if not self.equal_weights:
+            weight = metrics.get(protocol.NUM_EXAMPLES)
+            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
+        if not finite:
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
+        if not norm <= self.max_update_norm:
+            raise BadReply(Rejection.TOO_LARGE,
+                           f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
+                           if math.isfinite(norm) else f"update norm {norm} is not finite")
+        if not self.wants_term:
+            return Contribution(update=result.update, weight=weight)
+        if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
+        if result.term is None or term_check is None:
+            raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{protocol.TERM}'")
+        term_norm, term_finite = term_check
+        if not term_finite:
+            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.TERM}' holds NaN or inf")
+        if not math.isfinite(term_norm):
+            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "its norm is not finite in float64")
+        return Contribution(update=result.update, weight=weight, term=result.term)
+
+
+@dataclass(frozen=True)
+class ReductionPlan:
+    """What a :class:`ReducingRunner` needs to reduce a round's results: how to check, mix and clip them.
+
+    ``mechanism`` is the round's (adaptive clipping's current C in it);
+    ``xis`` maps every cohort slot to its ξ, drawn by the server; ``dimension``
+    is d, the flat model's length (the lattice's).
+    """
+
+    check: ReplyCheck
+    mechanism: Mechanism
+    xis: Mapping[int, float]
+    dimension: int
+
+    @property
+    def lattice(self) -> NoiseLattice:
+        """The lattice the contributions are rounded onto and the noise lives on."""
+        return NoiseLattice.for_settings(self.mechanism, self.dimension)
+
+
+@dataclass(frozen=True)
+class ReducedContribution:
+    """What the server keeps of one accepted result: its slot, its metrics and what clipping saw (private)."""
+
+    slot: int
+    norm_before_clip: float  # ‖u_i‖ before clipping: private, for adaptive clipping and the round's mean only
+    clipped: bool
+    mixing_ratio: float  # NaN: not mixed
+    metrics: Mapping[str, object]
+
+
+@dataclass
+class ReducedCohort:
+    """Part or all of a cohort reduced: the int64 sum of its clipped contributions on the lattice, and the rest.
+
+    The sum is exact, so reductions of any split of a cohort add up (:meth:`add`) to the whole cohort's.
+    """
+
+    lattice_sum: torch.Tensor  # S = Σ round(c_i / g), int64 [d]
+    accepted: list[ReducedContribution] = field(default_factory=list)
+    refused: list[tuple[int, BadReply]] = field(default_factory=list)  # slot, why
+    bytes_received: int = 0
+
+    def add(self, other: ReducedCohort) -> ReducedCohort:
+        """This reduction and ``other``, of disjoint parts of one cohort, as one."""
+        return ReducedCohort(self.lattice_sum + other.lattice_sum, self.accepted + other.accepted,
+                             self.refused + other.refused, self.bytes_received + other.bytes_received)
+
+
+def reduce_results(results: Sequence[ClientResult], plan: ReductionPlan, bytes_received: int = 0) -> ReducedCohort:
+    """Check every result (:class:`ReplyCheck`), mix and clip the accepted ones, sum them on the lattice.
+
+    The per-contribution half of :meth:`~fedhog.privacy.mechanism.Mechanism.aggregate`,
+    row for row the same computation (:meth:`~fedhog.privacy.mechanism.Mechanism.constrain_sensitivity`,
+    then :meth:`~fedhog.privacy.mechanism.NoiseLattice.quantize`), a few rows at a time.
+    """
+    lattice = plan.lattice
+    out = ReducedCohort(torch.zeros(plan.dimension, dtype=torch.int64), bytes_received=bytes_received)
+    accepted: list[tuple[ClientResult, Contribution]] = []
+    for result, verdict in zip(results, plan.check.verdicts(results), strict=True):
+        if isinstance(verdict, BadReply):
+            out.refused.append((result.slot, verdict))
+        else:
+            accepted.append((result, verdict))
+    step = rows_per_pass(plan.dimension)
+    for start in range(0, len(accepted), step):
+        chunk = accepted[start:start + step]
+        terms = torch.stack([c.term for _, c in chunk]) if plan.mechanism.wants_term else None
+        xis = torch.tensor([plan.xis[r.slot] for r, _ in chunk], dtype=torch.float64)
+        rows, stats = plan.mechanism.constrain_sensitivity(torch.stack([c.update for _, c in chunk]), terms, xis)
+        out.lattice_sum += lattice.quantize(rows).sum(dim=0)
+        out.accepted += [ReducedContribution(r.slot, norm, clipped, ratio, dict(r.metrics)) for (r, _), norm, clipped,
+                         ratio in zip(chunk, stats.norms_before_clip, stats.clipped, stats.mixing_ratios, strict=True)]
+    return out
+
+
+@runtime_checkable
+class ReducingRunner(Protocol):
+    """A :class:`CohortRunner` that can also check and reduce the cohort's results where they are."""
+
+    def train(self, request: TrainRequest) -> CohortReplies:
+        """Every node of ``request.cohort``'s answer to this round's train instruction."""
+
+    def reduce(self, request: TrainRequest, plan: ReductionPlan) -> ReducedCohort:
+        """The cohort trained and its results reduced by :func:`reduce_results` (in any split: the sum is exact)."""
 
 
 def train_messages(request: TrainRequest) -> list[Message]:

@@ -25,11 +25,29 @@ from . import protocol
 from .layout import flatten_record, unflatten_like
 from .privacy.accounting import Accountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.mechanism import MAX_TAIL_DELTA_SHARE, Contribution, Mechanism, NoiseLattice, norms_of
+from .privacy.mechanism import (
+    MAX_CONTRIBUTIONS,
+    MAX_TAIL_DELTA_SHARE,
+    AggregateStats,
+    Contribution,
+    Mechanism,
+    NoiseLattice,
+)
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .protocol import BadReply, ClientResult, Rejection
-from .replies import CohortReplies, CohortRunner, MessageRunner, ReplyReader, TrainRequest, train_messages
+from .replies import (
+    CohortReplies,
+    CohortRunner,
+    MessageRunner,
+    ReducedCohort,
+    ReducingRunner,
+    ReductionPlan,
+    ReplyCheck,
+    ReplyReader,
+    TrainRequest,
+    train_messages,
+)
 from .secure_aggregation.server import SecAggSettings, SecureAggregationFailed, SecureSum, secure_sum
 from .server_optimizer import ServerOptimizer, ServerOptimizerSettings
 
@@ -222,6 +240,9 @@ class SecureAggregator(Strategy):
         deployment). Without it (sampling from OS entropy, where no run repeats
         anyway) a node's slot is its rank among node ids, which spares one
         message per client: ~25 s for 1000 clients on the Simulation Engine.
+        A grid that holds its nodes' data itself offers the answer as
+        ``grid.known_partitions`` (node id -> partition id; the vectorized
+        engine's), and no node is asked.
         """
         node_ids = sorted(grid.get_node_ids())
         if len(node_ids) != population:
@@ -229,11 +250,15 @@ class SecureAggregator(Strategy):
         if not identify:
             self.slot_of_node = {node: rank for rank, node in enumerate(node_ids)}
             return
-        messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
-        mapping = {}
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            if not reply.has_error():
-                mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
+        known = getattr(grid, "known_partitions", None)  # a Grid that holds its nodes' data says so: no messages
+        if known is not None:
+            mapping = dict(known)
+        else:
+            messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+            mapping = {}
+            for reply in grid.send_and_receive(messages, timeout=timeout):
+                if not reply.has_error():
+                    mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
         if sorted(mapping.values()) != list(range(population)):
             raise RuntimeError(_population_mismatch(
                 population, f"the {len(mapping)} nodes that answered hold {len(set(mapping.values()))} "
@@ -307,17 +332,68 @@ class SecureAggregator(Strategy):
 
         flat_global = flatten_record(self._global)
         randomness, self._round_randomness = self._round_randomness, None
-        # One ξ per slot of the population: a client's ξ does not depend on who else replied.
-        xis = self.mechanism.xis(randomness.mixing, len(self.slot_of_node), [slot for slot, _, _ in contributions])
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
-        mechanism = self.mechanism
-        if self.adaptive_clipping is not None:  # this round's C, and the σ_Δ that leaves σ for the noisy count
-            mechanism = dataclasses.replace(mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                            noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        mechanism = self._round_mechanism()
+        # One ξ per slot of the population: a client's ξ does not depend on who else replied.
+        xis = mechanism.xis(randomness.mixing, len(self.slot_of_node), [slot for slot, _, _ in contributions])
         averaged, stats = mechanism.aggregate([c for _, c, _ in contributions], expected_cohort, xis,
                                               randomness.noise, flat_global.numel(), flat_global.dtype)
-        if not contributions and not self.mechanism.clips:  # a mean of nothing: FedAvg releases nothing
+        if not contributions and not mechanism.clips:  # a mean of nothing: FedAvg releases nothing
             return None, None
+        return self._release(server_round, flat_global, averaged, stats, mechanism, randomness,
+                             [metrics for _, _, metrics in contributions])
+
+    def _round_mechanism(self) -> Mechanism:
+        """The mechanism of this round: with adaptive clipping, its current C and the update's σ."""
+        if self.adaptive_clipping is None:
+            return self.mechanism
+        return dataclasses.replace(self.mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
+                                   noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+
+    def reduction_plan(self) -> ReductionPlan:
+        """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""
+        if len(self._cohort) > MAX_CONTRIBUTIONS:  # the shards' int64 sums must not overflow either
+            raise ValueError(f"{len(self._cohort)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
+        mechanism = self._round_mechanism()
+        slots = list(self._cohort.values())  # ξ drawn before training: the mixing stream is the round's own
+        xis = mechanism.xis(self._round_randomness.mixing, len(self.slot_of_node), slots)
+        dimension = sum(int(np.prod(a.shape)) for a in self._global.values())
+        return ReductionPlan(self.reply_check, mechanism, dict(zip(slots, map(float, xis), strict=True)), dimension)
+
+    def finish_reduced(self, server_round: int, reduced: ReducedCohort,
+                       plan: ReductionPlan) -> tuple[ArrayRecord, MetricRecord]:
+        """End a round whose cohort a runner reduced to one lattice sum: count, noise the sum once, release.
+
+        The same release as :meth:`finish_round` on the same results: the same checks, the
+        same exact sum, the same noise, statistics over the accepted contributions in slot order.
+        """
+        record = self.current
+        record.bytes_received += reduced.bytes_received
+        for slot, error in sorted(reduced.refused, key=lambda item: item[0]):
+            self._count_rejection(server_round, f"slot {slot}", error)
+        accepted = sorted(reduced.accepted, key=lambda c: c.slot)
+        record.clients_accepted = len(accepted)
+        if record.clients_sampled and not accepted:
+            self._note_empty_round(server_round)
+        flat_global = flatten_record(self._global)
+        randomness, self._round_randomness = self._round_randomness, None
+        expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
+        noisy_sum, sum_std = plan.mechanism.add_noise(reduced.lattice_sum, plan.lattice, randomness.noise,
+                                                      len(accepted))
+        norms = [c.norm_before_clip for c in accepted]
+        ratios = [c.mixing_ratio for c in accepted if not math.isnan(c.mixing_ratio)]
+        stats = AggregateStats(len(accepted), _mean(norms), _mean([float(c.clipped) for c in accepted]),
+                               sum_std / expected_cohort, _mean(ratios), tuple(norms))
+        averaged = (noisy_sum / expected_cohort).to(flat_global.dtype)
+        return self._release(server_round, flat_global, averaged, stats, plan.mechanism, randomness,
+                             [c.metrics for c in accepted])
+
+    def _release(self, server_round: int, flat_global: torch.Tensor, averaged: torch.Tensor,
+                 stats: AggregateStats, mechanism: Mechanism, randomness: RoundRandomness,
+                 client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
+        """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
+        record = self.current
+        expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         record.clipping_norm = mechanism.clipping_norm
         if self.adaptive_clipping is not None:
             step = self.adaptive_clipping.step(list(stats.norms_before_clip), expected_cohort, randomness.noise)
@@ -329,7 +405,6 @@ class SecureAggregator(Strategy):
         record.fraction_clipped = stats.fraction_clipped
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
-        client_metrics = [metrics for _, _, metrics in contributions]
         self.client_metrics = [dict(m) for m in client_metrics]
         losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
                   if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
@@ -450,50 +525,13 @@ class SecureAggregator(Strategy):
         return verdict
 
     def _validate(self, results: list[ClientResult]) -> list[Contribution | BadReply]:
-        """Each well-formed result's contribution, or why it is refused.
+        """Each well-formed result's contribution, or why it is refused (:class:`~fedhog.replies.ReplyCheck`)."""
+        return self.reply_check.verdicts(results)
 
-        Norms are float64 and scaled (float32 entries near 1e19 do not make them inf), computed for the
-        whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
-        """
-        update_norms, updates_finite = norms_of([r.update for r in results])
-        wants_term = self.mechanism.wants_term
-        with_terms = [r for r in results if wants_term and r.term is not None]
-        term_norms, terms_finite = norms_of([r.term for r in with_terms])
-        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
-        verdicts: list[Contribution | BadReply] = []
-        for result, norm, finite in zip(results, update_norms, updates_finite, strict=True):
-            try:
-                verdicts.append(self._accept(result, norm, finite, term_check.get(id(result))))
-            except BadReply as error:
-                verdicts.append(error)
-        return verdicts
-
-    def _accept(self, result: ClientResult, norm: float, finite: bool,
-                term_check: tuple[float, bool] | None) -> Contribution:
-        metrics = result.metrics
-        weight = 1
-        if not self.equal_weights:
-            weight = metrics.get(protocol.NUM_EXAMPLES)
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
-        if not finite:
-            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
-        if not norm <= self.max_update_norm:
-            raise BadReply(Rejection.TOO_LARGE,
-                           f"update norm {norm:.4g} exceeds max-update-norm={self.max_update_norm:g}"
-                           if math.isfinite(norm) else f"update norm {norm} is not finite")
-        if not self.mechanism.wants_term:
-            return Contribution(update=result.update, weight=weight)
-        if metrics.get(protocol.THIRD_ORDER_FINITE, 1) == 0:
-            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "the client reported a failed computation")
-        if result.term is None or term_check is None:
-            raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{protocol.TERM}'")
-        term_norm, term_finite = term_check
-        if not term_finite:
-            raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.TERM}' holds NaN or inf")
-        if not math.isfinite(term_norm):
-            raise BadReply(Rejection.NON_FINITE_THIRD_ORDER_TERM, "its norm is not finite in float64")
-        return Contribution(update=result.update, weight=weight, term=result.term)
+    @property
+    def reply_check(self) -> ReplyCheck:
+        """The check every result passes before it contributes, here or where a runner reduces the cohort."""
+        return ReplyCheck(self.mechanism.wants_term, self.max_update_norm, self.equal_weights)
 
     # --- no federated evaluation: the server evaluates centrally -------------
     def configure_evaluate(
@@ -554,8 +592,12 @@ class SecureAggregator(Strategy):
             if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
                 new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
             else:
-                replies = runner.train(self._train_request(server_round, arrays, config, timeout))
-                new_arrays, train_metrics = self.finish_replies(server_round, replies)
+                request = self._train_request(server_round, arrays, config, timeout)
+                if isinstance(runner, ReducingRunner) and self.mechanism.clips:  # reduced where trained
+                    plan = self.reduction_plan()
+                    new_arrays, train_metrics = self.finish_reduced(server_round, runner.reduce(request, plan), plan)
+                else:
+                    new_arrays, train_metrics = self.finish_replies(server_round, runner.train(request))
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
@@ -621,3 +663,8 @@ class _WeightsWatch:
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _mean(values: list[float]) -> float:
+    """The mean in the order given (that of :func:`~fedhog.privacy.mechanism.aggregate`'s statistics), NaN if none."""
+    return sum(values) / len(values) if values else math.nan

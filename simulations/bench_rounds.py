@@ -25,6 +25,12 @@ The vectorized engine also runs populations of 10 000 and 100 000 clients
 with cohorts of 100 (IID, about 20 examples each: MNIST-1D is generated
 once and cached, which takes minutes for 100 000 clients), and a long run of
 500 rounds whose RSS is sampled every 50 rounds (it must stay flat).
+Every row says its ``shards`` (:mod:`fedhog.engines.shards`): the MLP's
+DP-FedAvg row runs again with ``shards = 2`` (two Ray actors, started
+before round 1 and so in no round's time); its peak RSS is that of the
+driver and its actors together (sampled every 0.2 s). And
+a population of 1 000 000 clients (``synthetic-large``: each client's data
+generated when it is sampled) runs 3 rounds with cohorts of 10 000.
 
 Usage::
 
@@ -52,6 +58,7 @@ WORKLOAD = {"dataset": "mnist1d", "num-samples": 32_000, "population": 1000, "sa
             "partitioner": "dirichlet", "local-epochs": 1, "batch-size": 10, "learning-rate": 0.05,
             "noise-multiplier": 1.675, "mixing-strength": 0.5, "clipping-norm": 1.0, "privacy-seed": 1}
 EXAMPLES_PER_CLIENT = 32  # num-samples per client: 20% test, 10% validation, about 22 to train
+MILLION = 1_000_000  # synthetic-large; OS-entropy sampling: discovery asks no client its partition
 
 
 def run_one(spec: dict) -> dict:
@@ -75,18 +82,50 @@ def run_one(spec: dict) -> dict:
         rss.append((record.round, _rss_mib()))
 
     results.ResultsWriter.add_round = recording
-    if spec["engine"] == "vectorized":
-        run_vectorized(server_app, client_app, config)
-    else:
-        run_in_process(server_app, client_app, config.population, config.to_mapping())
+    with ShardsRss() as shards_rss:
+        if spec["engine"] == "vectorized":
+            run_vectorized(server_app, client_app, config)
+        else:
+            run_in_process(server_app, client_app, config.population, config.to_mapping())
     document = json.loads((Path(config.results_dir) / "metrics.json").read_text())
     seconds = [r["seconds"] for r in document["rounds"][1:]]
-    return {"seconds_per_round": statistics.median(seconds), "peak_rss_mib": _peak_rss_mib(), "rss": rss}
+    peak = _peak_rss_mib() if config.shards == 1 else shards_rss.peak_mib
+    return {"seconds_per_round": statistics.median(seconds), "peak_rss_mib": peak, "rss": rss}
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+class ShardsRss:
+    """The peak of this process's RSS plus that of its Ray shard actors (``ray::CohortShard`` processes), sampled."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        import threading
+
+        self.every, self.peak_mib = every, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> ShardsRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            total = _rss_mib()
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    if (proc / "cmdline").read_bytes().startswith(b"ray::CohortShard"):
+                        total += _rss_mib(proc / "statm")
+                except OSError:  # a process that ended meanwhile
+                    pass
+            self.peak_mib = max(self.peak_mib, total)
+
+
+def _rss_mib(statm: Path | str = "/proc/self/statm") -> float:
+    with open(statm) as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _peak_rss_mib() -> float:
@@ -145,14 +184,21 @@ def main() -> None:
                 for engine in engines:
                     result = measure(engine, {"model": model, "mechanism": mechanism}, rounds, args.threads, workdir)
                     rows.append({"engine": engine, "model": model, "mechanism": mechanism, "population": 1000,
-                                 "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                                 "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
                                  "peak_rss_mib": result["peak_rss_mib"]})
                     _progress(rows[-1], args.json)
         for engine in engines[:2]:  # the same MLP round with RDP: what the engines cost without PLD's per-round ε
             result = measure(engine, {"model": "mlp", "mechanism": "gaussian", "accountant": "rdp"}, rounds,
                              args.threads, workdir)
             rows.append({"engine": engine, "model": "mlp", "mechanism": "gaussian (rdp)", "population": 1000,
-                         "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                         "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
+                         "peak_rss_mib": result["peak_rss_mib"]})
+            _progress(rows[-1], args.json)
+        for shards in (2,):  # the same cohorts split over Ray actors (2 cores: not faster, reported as measured)
+            result = measure("vectorized", {"model": "mlp", "mechanism": "gaussian", "shards": shards}, rounds,
+                             args.threads, workdir)
+            rows.append({"engine": "vectorized", "model": "mlp", "mechanism": "gaussian", "population": 1000,
+                         "cohort": 100, "shards": shards, "seconds_per_round": result["seconds_per_round"],
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
         for population in () if args.quick else (10_000, 100_000):
@@ -161,7 +207,15 @@ def main() -> None:
                      "delta": 0.1 / population}  # δ must stay below 1/N
             result = measure("vectorized", scale, rounds, args.threads, workdir)
             rows.append({"engine": "vectorized", "model": "mlp", "mechanism": "gaussian", "population": population,
-                         "cohort": 100, "seconds_per_round": result["seconds_per_round"],
+                         "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
+                         "peak_rss_mib": result["peak_rss_mib"]})
+            _progress(rows[-1], args.json)
+        for population, cohort in () if args.quick else ((MILLION, MILLION // 100),):
+            million = {"dataset": "synthetic-large", "model": "mlp", "mechanism": "gaussian", "population": population,
+                       "sampling-rate": cohort / population, "delta": 0.1 / population, "privacy-seed": -1}
+            result = measure("vectorized", million, 3, args.threads, workdir)
+            rows.append({"engine": "vectorized", "model": "mlp", "mechanism": "gaussian", "population": population,
+                         "cohort": cohort, "shards": 1, "seconds_per_round": result["seconds_per_round"],
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
         long_rounds = 60 if args.quick else 500
@@ -171,20 +225,20 @@ def main() -> None:
         print(json.dumps({"rows": rows, "rss_over_rounds": rss_over_rounds}, indent=2))
         return
     print(f"torch threads per run: {args.threads}; median of rounds 2..{rounds}\n")
-    print("| engine | model | mechanism | population | cohort | ms / round | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | model | mechanism | population | cohort | shards | ms / round | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['engine']} | {row['model']} | {row['mechanism']} | {row['population']:,} | {row['cohort']} "
-              f"| {row['seconds_per_round'] * 1e3:.1f} | {row['peak_rss_mib']:.0f} |")
+        print(f"| {row['engine']} | {row['model']} | {row['mechanism']} | {row['population']:,} | {row['cohort']:,} "
+              f"| {row['shards']} | {row['seconds_per_round'] * 1e3:.1f} | {row['peak_rss_mib']:.0f} |")
     print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism):")
     for model, mechanism in (("mlp", "gaussian"), ("mlp", "hog"), ("cnn1d", "gaussian"), ("cnn1d", "hog"),
                              ("mlp", "gaussian (rdp)")):
         pick = {r["engine"]: r["seconds_per_round"] for r in rows
-                if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000}
+                if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000 and r["shards"] == 1}
         print(f"- {model} {mechanism}: {pick['inprocess'] / pick['vectorized']:.1f}×")
     for model in ("mlp", "cnn1d"):
         pick = {r["mechanism"]: r["seconds_per_round"] for r in rows
-                if r["model"] == model and r["engine"] == "vectorized" and r["population"] == 1000}
+                if r["model"] == model and r["engine"] == "vectorized" and r["population"] == 1000 and r["shards"] == 1}
         print(f"- vectorized {model}: a hog round costs {pick['hog'] / pick['gaussian']:.2f}× a gaussian round")
     print(f"\nRSS of one vectorized run over {long_rounds} rounds (MiB): "
           + ", ".join(f"round {p['round']}: {p['rss_mib']:.0f}" for p in rss_over_rounds))

@@ -194,7 +194,7 @@ NON_DEFAULT = {
     "normalization": "group-ws",
     "local-epochs": 2, "batch-size": 8, "learning-rate": 1e-3, "momentum": 0.9, "optimizer": "hog-step",
     "device": "cpu", "rounds": 12, "sampling": "fixed", "sampling-rate": 0.2, "server-learning-rate": 0.75,
-    "round-timeout": 45.0, "max-update-norm": 1e3,
+    "round-timeout": 45.0, "max-update-norm": 1e3, "shards": 3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
     "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True,

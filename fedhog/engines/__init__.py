@@ -77,7 +77,11 @@ def engine_named(name: str) -> Engine:
 
 def run_engine(name: str, config: RunConfig, client_cpus: int = 1) -> None:
     """Run ``config`` to the end on the engine ``name`` (its results folder already claimed: :func:`claim_run`)."""
-    engine_named(name).run(config, client_cpus)
+    engine = engine_named(name)
+    if config.shards > 1 and name != "vectorized":
+        raise ConfigError(f"shards={config.shards} is not allowed with engine={name!r}; expected 1 (only the "
+                          "vectorized engine splits a cohort into shards)")
+    engine.run(config, client_cpus)
 
 
 def check_run(config: RunConfig) -> None:

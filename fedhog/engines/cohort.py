@@ -84,11 +84,18 @@ class CohortTrainer:
         self.shapes = {key: value.shape for key, value in model.state_dict().items()}
         self.keys = list(self.shapes)
         self.device = device
-        self.x = torch.as_tensor(x, device=device)
-        self.y = torch.as_tensor(y, device=device)
-        self.client_indices = client_indices
+        self.use_data(x, y, client_indices)
         self._forward = vmap(lambda params, x: functional_call(self.model, params, (x,)))
         self._terms = vmap(self._third_order_term, in_dims=(None, 0, 0, 0, 0))
+
+    def use_data(self, x: np.ndarray, y: np.ndarray, client_indices: tuple[np.ndarray, ...]) -> None:
+        """Train on these examples from now on (client i's are ``x[client_indices[i]]``), moved to the device once.
+
+        A population too large to hold hands each block of clients its own (:mod:`fedhog.engines.shards`).
+        """
+        self.x = torch.as_tensor(x, device=self.device)
+        self.y = torch.as_tensor(y, device=self.device)
+        self.client_indices = client_indices
 
     # --- the per-client functions that vmap batches ------------------------------
     def _losses_and_gradients(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,

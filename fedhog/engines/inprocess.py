@@ -3,7 +3,8 @@
 :class:`InProcessGrid` implements Flower's :class:`~flwr.serverapp.Grid` by
 calling the ClientApp directly for every message, with one
 :class:`~flwr.app.Context` per node as the Simulation Engine keeps them
-(``partition-id``, ``num-partitions``). Messages are serialised and parsed on
+(``partition-id``, ``num-partitions``), made when a node is first sent a
+message (:class:`NodeContexts`). Messages are serialised and parsed on
 the way in and out, as a transport would, so no object is shared between the
 server and a client. A ClientApp that raises answers with an error reply, as
 under Flower's engines.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import traceback
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,6 +26,46 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedhog.compat import stamp_message  # absolute: this module moves to fedhog/engines/
+
+
+class NodeContexts(MutableMapping[int, Context]):
+    """Node id -> its :class:`~flwr.app.Context`, each made when first asked for.
+
+    A population of a million nodes holds the contexts of the nodes that were
+    sent a message, not a million (the vectorized engine trains without them).
+    """
+
+    def __init__(self, partition_of_node: Mapping[int, int], run_config: Mapping) -> None:
+        self._partition_of_node = partition_of_node
+        self._run_config = dict(run_config)
+        self._made: dict[int, Context] = {}
+
+    def __getitem__(self, node_id: int) -> Context:
+        context = self._made.get(node_id)
+        if context is None:
+            partition = self._partition_of_node[node_id]  # KeyError for a node that does not exist
+            context = self._made[node_id] = Context(
+                run_id=1, node_id=node_id, node_config={"partition-id": partition,
+                                                        "num-partitions": len(self._partition_of_node)},
+                state=RecordDict(), run_config=dict(self._run_config))
+        return context
+
+    def __setitem__(self, node_id: int, context: Context) -> None:
+        if node_id not in self._partition_of_node:
+            raise KeyError(f"no node {node_id} in this grid")
+        self._made[node_id] = context
+
+    def __delitem__(self, node_id: int) -> None:
+        raise TypeError("a grid's nodes stay: their contexts cannot be deleted")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._partition_of_node)
+
+    def __len__(self) -> int:
+        return len(self._partition_of_node)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._partition_of_node
 
 
 class InProcessGrid(Grid):
@@ -45,12 +86,8 @@ class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, node_id_seed: int = 0) -> None:
         self.client_app = client_app
         node_ids = random.Random(node_id_seed).sample(range(1, 2**63), num_nodes)
-        self.contexts = {
-            node_id: Context(run_id=1, node_id=node_id,
-                             node_config={"partition-id": i, "num-partitions": num_nodes},
-                             state=RecordDict(), run_config=dict(run_config))
-            for i, node_id in enumerate(node_ids)
-        }
+        self.partition_of_node = {node_id: i for i, node_id in enumerate(node_ids)}
+        self.contexts = NodeContexts(self.partition_of_node, run_config)
         self._run = Run.create_empty(1)
         self._replies: dict[str, Message] = {}
         # Messages take their run and sender from the task identity, as in a ServerApp process.
