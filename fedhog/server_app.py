@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -34,8 +35,9 @@ from .replies import runner_for
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .server_step import ProxyStepLength
-from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
+from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator, log_round
 from .training import evaluate_metrics
+from .write_behind import WriteBehind
 
 app = ServerApp()
 _stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
@@ -237,25 +239,42 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
+    # The vectorized engine's clients are this process's own computation: no one outside it sees a released
+    # model before its round is shown, so the round's writes may run behind the next round's training.
+    # A grid that sends messages (the model) to clients writes each round before the next one starts.
+    behind = getattr(grid, "cohort_runner", None) is not None
+    writes = WriteBehind()
+    rows = list(writer.document["rounds"])  # every round handed to the writes, shown or about to be
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        with deferred():  # an interrupt waits until the round's checkpoint and metrics are written
+        row = dataclasses.asdict(record)
+        checkpoint = copy.deepcopy(Checkpoint(
+            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
+            rounds=[row], rounds_logged=len(rows), job_id=job_id,
+            server_optimizer=strategy.server_optimizer.state_dict(),
+            adaptive_clipping=None if strategy.adaptive_clipping is None
+            else strategy.adaptive_clipping.state_dict()))
+        shown, client_metrics = copy.deepcopy(record), list(strategy.client_metrics)
+
+        def write() -> None:
             # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
             # is written after it, so a resume never releases again a round that anyone has seen
-            save_checkpoint(writer.directory, Checkpoint(
-                round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-                rounds=[dataclasses.asdict(record)], rounds_logged=writer.rounds_logged, job_id=job_id,
-                server_optimizer=strategy.server_optimizer.state_dict(),
-                adaptive_clipping=None if strategy.adaptive_clipping is None
-                else strategy.adaptive_clipping.state_dict()))
-            if writer.add_round(record):
+            save_checkpoint(writer.directory, checkpoint)
+            if writer.add_round(shown):
                 monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
-            monitor.observe_round(record, strategy.client_metrics)
+            monitor.observe_round(shown, client_metrics)
+            log_round(shown)
+
+        rows.append(row)
+        with deferred():  # an interrupt waits until the round is handed over (and, not behind, written)
+            writes.submit(write)
+            if not behind:
+                writes.drain()
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
-        _stop_if_rounds_empty(writer.document["rounds"], strategy.rejection_reasons, config.delta)
+        _stop_if_rounds_empty(rows, strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
@@ -283,9 +302,13 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     _stage("round %d of %d…", first_round, config.rounds)
-    result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
-                            on_round=on_round, first_round=first_round, runner=runner_for(grid))
+    try:
+        result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
+                                train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
+                                on_round=on_round, first_round=first_round, runner=runner_for(grid))
+    finally:
+        with deferred():  # finished rounds are written however the loop ended (an interrupt waits for them)
+            writes.drain()
     return result.arrays, strategy.accountant.epsilon()
 
 
