@@ -5,8 +5,10 @@ learning rate 0.05) with DP-FedAvg (clipping norm C = 1, noise σ = 1.675·C on 
 same arrays, the same partition and the same initial model: this script (fedhog's venv) exports them to a
 folder, and a child process in a Python that has ``pfl`` (``--pfl-python``; a separate venv, never a fedhog
 dependency) builds pfl's ``SimulatedBackend`` over them. Cohorts: fedhog samples Poisson q = 0.1 (100 on
-average), pfl a fixed 100. Both evaluate the test set every round. Runs alternate (fedhog, pfl, fedhog, pfl…),
-each in a fresh process with ``--threads`` torch threads, so a drift of the machine's load falls on both alike.
+average), pfl a fixed 100. Both evaluate the test set every round (pfl's evaluation of each sampled user's own
+data before and after training, which fedhog does not do, is off but for its first round). Runs alternate
+(fedhog, pfl, fedhog, pfl…), each in a fresh process with ``--threads`` torch threads, so a drift of the
+machine's load falls on both alike.
 
 All-in: the wall time of the rounds (training, mechanism, accounting, evaluation and, for fedhog, its checkpoint
 and results, all included) divided by the rounds; start-up (data, partitioning, imports) is left out of both.
@@ -137,7 +139,9 @@ model = PyTorchModel(model=module, local_optimizer_create=torch.optim.SGD,
 eval_params = NNEvalHyperParams(local_batch_size=4096)
 evaluation = CentralEvaluationCallback(test, model_eval_params=eval_params, frequency=1)
 algorithm = FederatedAveraging()
-params = NNAlgorithmParams(central_num_iterations=spec["rounds"], evaluation_frequency=1,
+# evaluation_frequency: pfl's own evaluation of every sampled user's data before and after local training (fedhog
+# does none); the test set is evaluated every round by the callback, as fedhog's server does
+params = NNAlgorithmParams(central_num_iterations=spec["rounds"], evaluation_frequency=spec["rounds"],
                            train_cohort_size=spec["cohort"], val_cohort_size=0)
 train_params = NNTrainHyperParams(local_learning_rate=spec["learning_rate"], local_num_epochs=spec["local_epochs"],
                                   local_batch_size=spec["batch_size"])
