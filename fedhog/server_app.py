@@ -155,13 +155,19 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = evaluate_metrics(model, test_set, config.test_metrics)
-        if len(validation_set):
-            held = evaluate_metrics(model, validation_set)
-            metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
-        return MetricRecord(metrics)
+    def evaluate_with(evaluated: torch.nn.Module) -> EvaluateFn:
+        """The test and validation sets' metrics of a round's model, loaded into ``evaluated``."""
+        def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+            evaluated.load_state_dict(arrays.to_torch_state_dict())
+            metrics = evaluate_metrics(evaluated, test_set, config.test_metrics)
+            if len(validation_set):
+                held = evaluate_metrics(evaluated, validation_set)
+                metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
+            return MetricRecord(metrics)
+
+        return evaluate_fn
+
+    evaluate_fn = evaluate_with(model)
 
     initial = ArrayRecord(model.state_dict())
     initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -195,8 +201,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         if config.aggregator == "flower-dp":
             arrays, epsilon = _run_flower_baseline(grid, config, writer, monitor, initial, evaluate_fn, diagnose)
         else:
+            # behind the rounds (vectorized engine) the writer thread evaluates, with a model of its own
             arrays, epsilon = _run_secure_aggregator(grid, config, writer, monitor, initial, evaluate_fn,
-                                                     checkpoint, diagnose)
+                                                     evaluate_with(copy.deepcopy(model)), checkpoint, diagnose)
     except BaseException as error:
         with deferred():
             if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
@@ -234,14 +241,17 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
 
 
 def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter, monitor: ServerMetrics,
-                           initial: ArrayRecord, evaluate_fn: EvaluateFn,
+                           initial: ArrayRecord, evaluate_fn: EvaluateFn, evaluate_behind: EvaluateFn,
                            checkpoint: Checkpoint | None, diagnose: Diagnose) -> tuple[ArrayRecord, float]:
-    """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
+    """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε.
+
+    ``evaluate_behind`` evaluates a round in the writer thread (its own model) when the writes run behind.
+    """
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
     # The vectorized engine's clients are this process's own computation: no one outside it sees a released
-    # model before its round is shown, so the round's writes may run behind the next round's training.
-    # A grid that sends messages (the model) to clients writes each round before the next one starts.
+    # model before its round is shown, so the round's evaluation and writes may run behind the next round's
+    # training. A grid that sends messages (the model) to clients writes each round before the next one starts.
     behind = getattr(grid, "cohort_runner", None) is not None
     writes = WriteBehind()
     rows = list(writer.document["rounds"])  # every round handed to the writes, shown or about to be
@@ -250,25 +260,26 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        row = dataclasses.asdict(record)
-        checkpoint = copy.deepcopy(Checkpoint(
-            round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-            rounds=[row], rounds_logged=len(rows), job_id=job_id,
-            server_optimizer=strategy.server_optimizer.state_dict(),
-            adaptive_clipping=None if strategy.adaptive_clipping is None
-            else strategy.adaptive_clipping.state_dict()))
-        shown, client_metrics = copy.deepcopy(record), list(strategy.client_metrics)
+        state = copy.deepcopy({
+            "model": arrays.to_torch_state_dict(), "accountant": strategy.accountant.state_dict(),
+            "server_optimizer": strategy.server_optimizer.state_dict(),
+            "adaptive_clipping": None if strategy.adaptive_clipping is None
+            else strategy.adaptive_clipping.state_dict()})
+        shown, client_metrics, logged = copy.deepcopy(record), list(strategy.client_metrics), len(rows)
 
         def write() -> None:
+            if behind:
+                shown.take_evaluation(evaluate_behind(shown.round, ArrayRecord(state["model"])))
             # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
             # is written after it, so a resume never releases again a round that anyone has seen
-            save_checkpoint(writer.directory, checkpoint)
+            save_checkpoint(writer.directory, Checkpoint(round=shown.round, rounds=[dataclasses.asdict(shown)],
+                                                         rounds_logged=logged, job_id=job_id, **state))
             if writer.add_round(shown):
                 monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
             monitor.observe_round(shown, client_metrics)
             log_round(shown)
 
-        rows.append(row)
+        rows.append(dataclasses.asdict(record))
         with deferred():  # an interrupt waits until the round is handed over (and, not behind, written)
             writes.submit(write)
             if not behind:
@@ -304,7 +315,8 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
     _stage("round %d of %d…", first_round, config.rounds)
     try:
         result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                                train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=evaluate_fn,
+                                train_config=ConfigRecord({JOB_ID: job_id}),
+                                evaluate_fn=None if behind else evaluate_fn,
                                 on_round=on_round, first_round=first_round, runner=runner_for(grid))
     finally:
         with deferred():  # finished rounds are written however the loop ended (an interrupt waits for them)
