@@ -320,7 +320,7 @@ def _run_secure_aggregator(grid: Grid, config: RunConfig, writer: ResultsWriter,
                                 on_round=on_round, first_round=first_round, runner=runner_for(grid))
     finally:
         with deferred():  # finished rounds are written however the loop ended (an interrupt waits for them)
-            writes.drain()
+            writes.close()
     return result.arrays, strategy.accountant.epsilon()
 
 

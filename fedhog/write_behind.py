@@ -9,9 +9,10 @@ checkpoint is shown), and its error is raised in the caller at the next
 :meth:`~WriteBehind.submit` or :meth:`~WriteBehind.drain`. At most
 ``depth`` jobs wait, so the writes lag the rounds by a bounded amount.
 
-A job does file I/O only (no PyTorch kernels): the interpreter may end while
-the daemon worker is idle in ``queue.get``, never inside a job, because the
-caller drains before it returns or raises.
+The caller closes it (:meth:`~WriteBehind.close`: drain, then end the worker)
+before it returns or raises, so the interpreter never ends inside a job (a
+job may run PyTorch: the server's evaluation of the round's model) and a
+process that runs many runs (a sweep) keeps no idle workers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class WriteBehind:
     """One worker thread that runs submitted jobs in order and stops at the first failure."""
 
     def __init__(self, depth: int = 2, name: str = "fedhog-writes") -> None:
-        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=depth)
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name=name, daemon=True)
         self._worker.start()
@@ -42,6 +43,14 @@ class WriteBehind:
         self._jobs.join()
         self._raise_failure()
 
+    def close(self) -> None:
+        """Drain (raising a failure), then end the worker thread; nothing may be submitted after."""
+        try:
+            self.drain()
+        finally:
+            self._jobs.put(None)
+            self._worker.join()
+
     def _raise_failure(self) -> None:
         if self._error is not None:
             raise self._error
@@ -49,6 +58,9 @@ class WriteBehind:
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:  # close()
+                self._jobs.task_done()
+                return
             try:
                 if self._error is None:
                     job()

@@ -33,7 +33,18 @@ def test_jobs_run_in_order_and_the_first_failure_stops_the_rest_and_is_raised():
         writes.drain()
     with pytest.raises(OSError, match="disk full"):
         writes.submit(lambda: done.append(6))
+    with pytest.raises(OSError, match="disk full"):
+        writes.close()
     assert done == [0, 1, 2, 3, 4]
+    assert not writes._worker.is_alive()  # a sweep's runs leave no thread behind
+
+
+def test_close_runs_what_was_submitted_then_ends_the_worker():
+    done: list[int] = []
+    writes = WriteBehind()
+    writes.submit(lambda: done.append(1))
+    writes.close()
+    assert done == [1] and not writes._worker.is_alive()
 
 
 def test_the_vectorized_engine_writes_a_round_while_the_next_one_trains_and_shows_it_after_its_checkpoint(
