@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedhog.engines import cohort
 from fedhog.engines.cohort import CohortTrainer, HogSettings
 from fedhog.models import build_model
 from fedhog.training import hog_rows, random_direction
@@ -89,3 +90,23 @@ def test_models_without_taylor_rules_fall_back_to_nested_jvp_with_the_same_terms
     assert CohortTrainer(traced, *_population((1, 40), [1])[:2], (np.arange(1),),
                          torch.device("cpu"))._program is not None
     _check_against_finite_differences(traced, (1, 40), taylor=False)  # Unsupported at run time, then the fallback
+
+
+@pytest.mark.parametrize("name, shape", [("mlp", (1, 40)), ("cnn1d", (1, 40))])
+def test_terms_computed_in_passes_of_a_few_clients_equal_one_pass(name, shape, monkeypatch):
+    """Bit for bit where the batched kernels are per client (matrix products); a convolution over K clients is one
+    grouped convolution whose kernel the group count selects, so there the split reassociates float32 sums."""
+    torch.manual_seed(3)
+    model = build_model(name, shape, 10)
+    sizes = [9, 4, 12, 7, 10]
+    x, y, indices = _population(shape, sizes)
+    trainer = CohortTrainer(model, x.astype(np.float32), y, indices, torch.device("cpu"))
+    start, partitions, seeds = model.state_dict(), [0, 1, 2, 3, 4], [31, 32, 33, 34, 35]
+    hog = HogSettings("random", "third-order", 8)
+    whole = trainer.train(start, partitions, seeds, 1, 4, 0.0, 0.0, hog)
+    monkeypatch.setattr(cohort, "TERM_CLIENTS_PER_PASS", 2)  # passes of 2, 2 and 1 clients
+    split = trainer.train(start, partitions, seeds, 1, 4, 0.0, 0.0, hog)
+    if name == "mlp":
+        assert torch.equal(whole.terms, split.terms)
+    else:
+        torch.testing.assert_close(split.terms, whole.terms, rtol=1e-5, atol=1e-6 * float(whole.terms.abs().max()))
