@@ -1,8 +1,9 @@
-"""A round's checkpoint and writes done behind the next round's training, in order, by one worker thread.
+"""A round's evaluation, checkpoint and writes done behind the next round's training, in order, by one thread.
 
-The ServerApp hands each finished round's writes (its checkpoint, then whatever
-shows the round: log line, ``metrics.json``, gauges) to :class:`WriteBehind` as
-one job and goes on with the next round. Jobs run one at a time in the order
+The ServerApp hands each finished round's work (on the vectorized engine its
+evaluation, then its checkpoint, then whatever shows the round: log line,
+``metrics.json``, gauges) to :class:`WriteBehind` as one job and goes on with
+the next round. Jobs run one at a time in the order
 given, so a round is shown only after its own checkpoint and every earlier
 round's writes; the first job that raises stops the rest (nothing after a failed
 checkpoint is shown), and its error is raised in the caller at the next
