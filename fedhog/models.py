@@ -139,8 +139,7 @@ class CNN1d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits for ``x`` of shape ``[B, C, L]`` or ``[B, L]``."""
-        if x.dim() == 2:
-            x = x.unsqueeze(1)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])  # [B, L] → [B, 1, L] without branching: torch.fx traces it
         return self.head(self.features(x))
 
 
@@ -164,8 +163,7 @@ class CNN2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits for ``x`` of shape ``[B, C, H, W]`` or ``[B, H, W]``."""
-        if x.dim() == 3:
-            x = x.unsqueeze(1)
+        x = x.reshape(x.shape[0], -1, x.shape[-2], x.shape[-1])  # [B, H, W] → [B, 1, H, W], traceable (torch.fx)
         return self.head(self.features(x))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -35,8 +36,9 @@ from .replies import runner_for
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .server_step import ProxyStepLength
-from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator
+from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator, log_round
 from .training import evaluate_metrics
+from .write_behind import WriteBehind
 
 app = ServerApp()
 _stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
@@ -53,6 +55,7 @@ class ServerRun:
     monitor: ServerMetrics
     initial: ArrayRecord
     evaluate_fn: EvaluateFn
+    evaluate_behind: EvaluateFn  # the same evaluation with a model of its own, for the writer thread
     checkpoint: Checkpoint | None
     diagnose: Diagnose
 
@@ -158,13 +161,19 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = evaluate_metrics(model, test_set, config.test_metrics)
-        if len(validation_set):
-            held = evaluate_metrics(model, validation_set)
-            metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
-        return MetricRecord(metrics)
+    def evaluate_with(evaluated: torch.nn.Module) -> EvaluateFn:
+        """The test and validation sets' metrics of a round's model, loaded into ``evaluated``."""
+        def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+            evaluated.load_state_dict(arrays.to_torch_state_dict())
+            metrics = evaluate_metrics(evaluated, test_set, config.test_metrics)
+            if len(validation_set):
+                held = evaluate_metrics(evaluated, validation_set)
+                metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
+            return MetricRecord(metrics)
+
+        return evaluate_fn
+
+    evaluate_fn = evaluate_with(model)
 
     initial = ArrayRecord(model.state_dict())
     initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -196,7 +205,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
             log(INFO, "fedhog metrics: http://127.0.0.1:%d/metrics", port)
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
-        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn, checkpoint,
+        # behind the rounds (vectorized engine) the writer thread evaluates, with a model of its own
+        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
+                                                                   evaluate_with(copy.deepcopy(model)), checkpoint,
                                                                    diagnose))
     except BaseException as error:
         with deferred():
@@ -235,29 +246,51 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
 
 
 def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[ArrayRecord, float]:
-    """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε."""
+    """fedhog's own run: discovery, SecureAggregator rounds, a checkpoint after each; the model and ε.
+
+    ``run.evaluate_behind`` evaluates a round in the writer thread (its own model) when the writes run behind.
+    """
     writer, monitor, initial, checkpoint, diagnose = run.writer, run.monitor, run.initial, run.checkpoint, run.diagnose
+    evaluate_behind = run.evaluate_behind
     numel = sum(int(math.prod(array.shape)) for array in initial.values())
     strategy = build_strategy(config, numel)
+    # The vectorized engine's clients are this process's own computation: no one outside it sees a released
+    # model before its round is shown, so the round's evaluation and writes may run behind the next round's
+    # training. A grid that sends messages (the model) to clients writes each round before the next one starts.
+    behind = getattr(grid, "cohort_runner", None) is not None
+    writes = WriteBehind()
+    rows = list(writer.document["rounds"])  # every round handed to the writes, shown or about to be
 
     def on_round(record: RoundRecord, arrays: ArrayRecord) -> None:
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        with deferred():  # an interrupt waits until the round's checkpoint and metrics are written
+        state = copy.deepcopy({
+            "model": arrays.to_torch_state_dict(), "accountant": strategy.accountant.state_dict(),
+            "server_optimizer": strategy.server_optimizer.state_dict(),
+            "adaptive_clipping": None if strategy.adaptive_clipping is None
+            else strategy.adaptive_clipping.state_dict()})
+        shown, client_metrics, logged = copy.deepcopy(record), list(strategy.client_metrics), len(rows)
+
+        def write() -> None:
+            if behind:
+                shown.take_evaluation(evaluate_behind(shown.round, ArrayRecord(state["model"])))
             # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
             # is written after it, so a resume never releases again a round that anyone has seen
-            save_checkpoint(writer.directory, Checkpoint(
-                round=record.round, model=arrays.to_torch_state_dict(), accountant=strategy.accountant.state_dict(),
-                rounds=[dataclasses.asdict(record)], rounds_logged=writer.rounds_logged, job_id=job_id,
-                server_optimizer=strategy.server_optimizer.state_dict(),
-                adaptive_clipping=None if strategy.adaptive_clipping is None
-                else strategy.adaptive_clipping.state_dict()))
-            if writer.add_round(record):
+            save_checkpoint(writer.directory, Checkpoint(round=shown.round, rounds=[dataclasses.asdict(shown)],
+                                                         rounds_logged=logged, job_id=job_id, **state))
+            if writer.add_round(shown):
                 monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
-            monitor.observe_round(record, strategy.client_metrics)
+            monitor.observe_round(shown, client_metrics)
+            log_round(shown)
+
+        rows.append(dataclasses.asdict(record))
+        with deferred():  # an interrupt waits until the round is handed over (and, not behind, written)
+            writes.submit(write)
+            if not behind:
+                writes.drain()
         _stop_if_every_client_failed(record, strategy.rejection_reasons, config.delta)
-        _stop_if_rounds_empty(writer.document["rounds"], strategy.rejection_reasons, config.delta)
+        _stop_if_rounds_empty(rows, strategy.rejection_reasons, config.delta)
 
     # Names this training job across resumes: DP-SGD clients keep their record-level accountant under it.
     job_id = checkpoint.job_id if checkpoint is not None and checkpoint.job_id else uuid.uuid4().hex
@@ -282,9 +315,14 @@ def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tupl
         first_round = checkpoint.round + 1
         log(INFO, "resuming after round %d (ε so far %.4g)", checkpoint.round, strategy.accountant.epsilon())
     _stage("round %d of %d…", first_round, config.rounds)
-    result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                            train_config=ConfigRecord({JOB_ID: job_id}), evaluate_fn=run.evaluate_fn,
-                            on_round=on_round, first_round=first_round, runner=runner_for(grid))
+    try:
+        result = strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
+                                train_config=ConfigRecord({JOB_ID: job_id}),
+                                evaluate_fn=None if behind else run.evaluate_fn,
+                                on_round=on_round, first_round=first_round, runner=runner_for(grid))
+    finally:
+        with deferred():  # finished rounds are written however the loop ended (an interrupt waits for them)
+            writes.close()
     return result.arrays, strategy.accountant.epsilon()
 
 

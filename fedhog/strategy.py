@@ -561,7 +561,7 @@ class SecureAggregator(Strategy):
         """Run rounds ``first_round``..``num_rounds``; stop before a release beyond ``max_epsilon``.
 
         Unlike :meth:`Strategy.start`, every finished round is handed to
-        ``on_round`` (which writes results and checkpoints), so a crash loses
+        ``on_round`` (which writes results and checkpoints, then logs the round), so a crash loses
         nothing done, and a resumed run starts at ``first_round``. The initial
         model is not evaluated here (the ServerApp does that before round 1).
         Each trusted-server round's client results come from ``runner``
@@ -611,12 +611,18 @@ class SecureAggregator(Strategy):
             record.seconds = (now := time.perf_counter()) - handed_over
             handed_over = now
             if on_round:
-                on_round(record, arrays)
-            log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
-                server_round, record.accuracy, record.epsilon, record.clients_sampled,
-                record.clients_accepted, record.clients_rejected)
+                on_round(record, arrays)  # which logs the round (log_round) once its checkpoint is written
+            else:
+                log_round(record)
         result.arrays = arrays
         return result
+
+
+def log_round(record: RoundRecord) -> None:
+    """The round's line in the log: accuracy, ε and the clients."""
+    log(INFO, "round %d: accuracy %.4f, ε %.4g, clients %d sampled / %d accepted / %d rejected",
+        record.round, record.accuracy, record.epsilon, record.clients_sampled, record.clients_accepted,
+        record.clients_rejected)
 
 
 WEIGHTS_UNDER_SECURE_AGGREGATION = (  # the detail of a Rejection.WEIGHTS_REFUSED

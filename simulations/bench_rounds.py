@@ -14,7 +14,11 @@ An extra pair of rows runs the MLP with ``accountant = "rdp"``: the PLD
 accountant's ε after every round (10–35 ms, growing with the rounds) is the
 same work on every engine, so those rows show what the engines themselves cost.
 The figure is the median of rounds 2..T of each run's own per-round
-``seconds`` in ``metrics.json`` (sampling to evaluation, results written).
+``seconds`` in ``metrics.json`` (sampling to evaluation, results written);
+the vectorized rows also give the all-in time (every round's ``seconds``
+over the rounds) and its ratio to the time the cohort's training
+(``CohortTrainer.train``) and the mechanism (``finish_replies``: reply
+validation, clipping, noise, aggregation) took.
 Every row runs the default activation (``fedhog.models.DEFAULT_ACTIVATION``);
 ``--activations`` instead times what an activation changes in a vectorized
 round — the cohort's local training and its third-order terms — for the MLP
@@ -68,9 +72,12 @@ def run_one(spec: dict) -> dict:
     from fedhog import results
     from fedhog.client_app import app as client_app
     from fedhog.config import RunConfig
+    from fedhog.engines import shards as shards_module
+    from fedhog.engines.cohort import CohortTrainer
     from fedhog.engines.inprocess import run_in_process
     from fedhog.engines.vectorized import run_vectorized
     from fedhog.server_app import app as server_app
+    from fedhog.strategy import SecureAggregator
 
     torch.set_num_threads(spec["threads"])
     config = RunConfig().with_overrides(spec["config"])
@@ -82,15 +89,39 @@ def run_one(spec: dict) -> dict:
         rss.append((record.round, _rss_mib()))
 
     results.ResultsWriter.add_round = recording
+    work = {"training": 0.0, "mechanism": 0.0}  # the clients' local work; the server's validation, clipping, noise
+    _timed(CohortTrainer, "train", work, "training")
+    _timed(SecureAggregator, "finish_replies", work, "mechanism")  # the in-process engines' round end
+    _timed(SecureAggregator, "finish_reduced", work, "mechanism")  # the vectorized engine's, and its shards' half:
+    _timed(shards_module, "reduce_results", work, "mechanism")  # checked, clipped, summed (in this process: shards 1)
     with ShardsRss() as shards_rss:
         if spec["engine"] == "vectorized":
             run_vectorized(server_app, client_app, config)
         else:
             run_in_process(server_app, client_app, config.population, config.to_mapping())
     document = json.loads((Path(config.results_dir) / "metrics.json").read_text())
-    seconds = [r["seconds"] for r in document["rounds"][1:]]
+    every = [r["seconds"] for r in document["rounds"]]
     peak = _peak_rss_mib() if config.shards == 1 else shards_rss.peak_mib
-    return {"seconds_per_round": statistics.median(seconds), "peak_rss_mib": peak, "rss": rss}
+    in_process = work["training"] and config.shards == 1  # Ray actors' work is not timed here
+    return {"seconds_per_round": statistics.median(every[1:]), "all_in_seconds_per_round": sum(every) / len(every),
+            "all_in_over_training_and_mechanism": (sum(every) / (work["training"] + work["mechanism"])
+                                                   if in_process else None),  # vectorized: the cohort's work
+            "peak_rss_mib": peak, "rss": rss}
+
+
+def _timed(owner: object, name: str, totals: dict[str, float], key: str) -> None:
+    """Add the seconds every call of ``owner.name`` (a class's method or a module's function) takes to
+    ``totals[key]``."""
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
 
 
 class ShardsRss:
@@ -185,6 +216,9 @@ def main() -> None:
                     result = measure(engine, {"model": model, "mechanism": mechanism}, rounds, args.threads, workdir)
                     rows.append({"engine": engine, "model": model, "mechanism": mechanism, "population": 1000,
                                  "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
+                                 "all_in_seconds_per_round": result.get("all_in_seconds_per_round"),
+                                 "all_in_over_training_and_mechanism":
+                                     result.get("all_in_over_training_and_mechanism"),
                                  "peak_rss_mib": result["peak_rss_mib"]})
                     _progress(rows[-1], args.json)
         for engine in engines[:2]:  # the same MLP round with RDP: what the engines cost without PLD's per-round ε
@@ -230,6 +264,12 @@ def main() -> None:
     for row in rows:
         print(f"| {row['engine']} | {row['model']} | {row['mechanism']} | {row['population']:,} | {row['cohort']:,} "
               f"| {row['shards']} | {row['seconds_per_round'] * 1e3:.1f} | {row['peak_rss_mib']:.0f} |")
+    print("\nall-in (every round's seconds, writes included, over the rounds) ÷ (cohort training + mechanism), "
+          "vectorized:")
+    for row in rows[:len(engines) * 4]:
+        if row.get("all_in_over_training_and_mechanism"):
+            print(f"- {row['model']} {row['mechanism']}: {row['all_in_seconds_per_round'] * 1e3:.1f} ms all-in, "
+                  f"{row['all_in_over_training_and_mechanism']:.2f}×")
     print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism):")
     for model, mechanism in (("mlp", "gaussian"), ("mlp", "hog"), ("cnn1d", "gaussian"), ("cnn1d", "hog"),
                              ("mlp", "gaussian (rdp)")):

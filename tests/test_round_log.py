@@ -14,6 +14,7 @@ from fedhog.checkpoint import Checkpoint, CheckpointError, checkpointed_rounds, 
 from fedhog.client_app import app as client_app
 from fedhog.config import RunConfig
 from fedhog.engines.inprocess import run_in_process
+from fedhog.engines.vectorized import run_vectorized
 from fedhog.results import ROUND_LOG, ResultsWriter, read_round_log
 
 
@@ -78,7 +79,8 @@ def test_checkpointed_rounds_read_the_log_then_the_checkpoints_own(tmp_path):
         checkpointed_rounds(writer.directory, checkpoint)
 
 
-def test_nothing_shows_a_round_whose_checkpoint_was_not_written(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["inprocess", "vectorized"])  # vectorized: the writes run behind the rounds
+def test_nothing_shows_a_round_whose_checkpoint_was_not_written(tmp_path, monkeypatch, engine):
     """A resume draws a lost round's noise afresh: if anything had shown the lost draw, that round would be
     released twice and accounted once."""
     monkeypatch.setenv("FEDHOG_CACHE", str(tmp_path / "cache"))
@@ -93,6 +95,8 @@ def test_nothing_shows_a_round_whose_checkpoint_was_not_written(tmp_path, monkey
         return save_checkpoint(directory, checkpoint)
 
     monkeypatch.setattr(server_app, "save_checkpoint", failing)
+    run = ((lambda: run_in_process(server_app.app, client_app, config.population, config.to_mapping()))
+           if engine == "inprocess" else lambda: run_vectorized(server_app.app, client_app, config))
     lines: list[str] = []
     seen = logging.Handler(logging.INFO)
     seen.emit = lambda record: lines.append(record.getMessage())  # Flower's logger, whatever its propagation
@@ -102,13 +106,13 @@ def test_nothing_shows_a_round_whose_checkpoint_was_not_written(tmp_path, monkey
     flower.setLevel(logging.INFO)
     try:
         with pytest.raises(OSError, match="disk full"):
-            run_in_process(server_app.app, client_app, config.population, config.to_mapping())
+            run()
     finally:
         flower.removeHandler(seen)
         flower.setLevel(level)
-    run = tmp_path / "run"
-    assert load_checkpoint(run).round == 1
-    assert [r["round"] for r in json.loads((run / "metrics.json").read_text())["rounds"]] == [1]
-    assert len((run / ROUND_LOG).read_text().splitlines()) == 1
+    folder = tmp_path / "run"
+    assert load_checkpoint(folder).round == 1
+    assert [r["round"] for r in json.loads((folder / "metrics.json").read_text())["rounds"]] == [1]
+    assert len((folder / ROUND_LOG).read_text().splitlines()) == 1
     shown = "\n".join(lines)
     assert "round 1: accuracy" in shown and "round 2: accuracy" not in shown

@@ -85,7 +85,7 @@ def test_a_cohort_trains_each_client_exactly_as_the_client_loop(model, momentum,
     ("random", "third-order", "none"), ("update", "third-order", "none"), ("random", "random", "none"),
     ("random", "third-order", "group-ws"), ("update", "third-order", "ws")])
 def test_a_cohorts_third_order_terms_are_each_clients(direction, term, normalization):
-    """The cohort's batched nested jvp/grad (vmap over clients) against the client's own derivative engine."""
+    """The cohort's batched Taylor mode (vmap over clients) against the client's own derivative engine."""
     config = _config(mechanism="hog", normalization=normalization,
                      **{"hog-direction": direction, "hog-term": term, "hog-batch-size": 16})
     trainer, start = _trainer(config), _global_state(config)

@@ -594,8 +594,13 @@ def program_for(model: nn.Module) -> TaylorProgram:
     return cached[1]
 
 
-def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tensor:
-    """Coefficients ``[n]`` of the mean softmax cross-entropy along ``s``.
+def _mean(c: Tensor, weights: Tensor | None) -> Tensor:
+    """Mean over examples, or ``Σ wᵢcᵢ / max(Σ wᵢ, 1)`` (a 0/1 mask: the mean over the examples kept)."""
+    return c.mean() if weights is None else (c * weights).sum() / weights.sum().clamp_min(1)
+
+
+def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int, weights: Tensor | None = None) -> Tensor:
+    """Coefficients ``[n]`` of the mean softmax cross-entropy along ``s`` (over the examples ``weights`` keeps).
 
     Up to order 2 the log-sum-exp coefficients are softmax moments
     (``E_p z₁``, ``E_p z₂ + Var_p(z₁)/2``); beyond, exp/log series recurrences.
@@ -605,23 +610,23 @@ def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int) -> Tenso
     picked = [(z[k].gather(-1, idx).squeeze(-1) if k < len(z) else None) for k in range(n)]
     if n <= 3:
         lse0 = torch.logsumexp(z[0], dim=-1)
-        coeffs = [(lse0 - picked[0]).mean()]
+        coeffs = [_mean(lse0 - picked[0], weights)]
         if n > 1:
             p = torch.exp(z[0] - lse0.unsqueeze(-1))
             pz1 = p * z[1] if len(z) > 1 else torch.zeros_like(p)
             m1 = pz1.sum(-1)
-            coeffs.append((m1 - picked[1]).mean() if len(z) > 1 else m1.mean())
+            coeffs.append(_mean(m1 - picked[1] if len(z) > 1 else m1, weights))
         if n > 2:
             c2 = 0.5 * ((pz1 * z[1]).sum(-1) - m1 * m1) if len(z) > 1 else torch.zeros_like(m1)
             if len(z) > 2:
                 c2 = c2 + (p * z[2]).sum(-1) - picked[2]
-            coeffs.append(c2.mean())
+            coeffs.append(_mean(c2, weights))
         return torch.stack(coeffs)
     shift = z[0].detach().amax(dim=-1, keepdim=True)
     e = series.exp((z[0] - shift, *z[1:]), n)
     lse = series.log(tuple(c.sum(-1) for c in e), n)
-    coeffs = [(lse[k] - picked[k]).mean() if picked[k] is not None else lse[k].mean() for k in range(n)]
-    coeffs[0] = coeffs[0] + shift.mean()
+    coeffs = [_mean(lse[k] - picked[k] if picked[k] is not None else lse[k], weights) for k in range(n)]
+    coeffs[0] = coeffs[0] + _mean(shift.squeeze(-1), weights)
     return torch.stack(coeffs)
 
 
