@@ -21,7 +21,7 @@ def _all_bad(aggregator, sent):
     return aggregator.aggregate_train(1, [reply(sent[node], records=bad_record("nan")) for node in sent])
 
 
-def test_a_round_of_rejected_replies_releases_the_noise_alone_and_is_accounted():
+def test_a_round_of_rejected_replies_releases_the_noise_alone_and_is_accounted(server_identity):
     """Exactly what a round whose sum is zero releases: the mechanism's output does not depend on the rejections."""
     sigma, clip, seed = 1.0, 1.0, 11
     aggregator, sent = make_aggregator(sigma=sigma, clip=clip, eta=1.0, seed=seed)
@@ -36,7 +36,7 @@ def test_a_round_of_rejected_replies_releases_the_noise_alone_and_is_accounted()
     assert aggregator.accountant.releases == 1 and metrics["epsilon"] == pytest.approx(aggregator.accountant.epsilon())
 
 
-def test_one_good_reply_among_rejected_ones_is_an_ordinary_round():
+def test_one_good_reply_among_rejected_ones_is_an_ordinary_round(server_identity):
     aggregator, sent = make_aggregator(sigma=1.0, eta=1.0)
     replies = [reply(sent[node], records=bad_record("nan")) for node in NODES[1:4]]
     arrays, _ = aggregator.aggregate_train(1, [reply(sent[NODES[0]], np.full(9, 0.01)), *replies])
