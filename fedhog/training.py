@@ -150,10 +150,17 @@ def evaluate_metrics(model: nn.Module, data: ArrayData, names: tuple[str, ...] =
 
 
 def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """A direction uniform on the unit sphere of the parameter space, from ``seed``."""
+    """A direction uniform on the unit sphere of the parameter space, from ``seed``.
+
+    One float32 standard normal per entry (``like``'s tensors in order, one draw from torch's generator: torch draws
+    float64 normals 8x slower, 170 µs for a 7 460-parameter model), scaled to unit norm in float64.
+    """
     generator = torch.Generator().manual_seed(seed)
-    raw = {k: torch.randn(v.shape, generator=generator, dtype=torch.float64) for k, v in like.items()}
-    return _normalised(raw, like)
+    flat = torch.randn(sum(v.numel() for v in like.values()), generator=generator, dtype=torch.float32).double()
+    flat /= torch.linalg.vector_norm(flat)
+    pieces = flat.split([v.numel() for v in like.values()])
+    return {k: piece.view(v.shape).to(dtype=v.dtype, device=v.device) for (k, v), piece in zip(like.items(), pieces,
+                                                                                             strict=True)}
 
 
 def unit_direction(vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
