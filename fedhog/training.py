@@ -83,7 +83,10 @@ def local_batches(num_examples: int, epochs: int, batch_size: int, seed: int) ->
     split into ⌈n/B⌉ nearly equal batches (the order every engine trains a client in)."""
     order_rng = np.random.default_rng(seed)
     splits = max(1, -(-num_examples // batch_size))
-    return [np.array_split(order_rng.permutation(num_examples), splits) for _ in range(epochs)]
+    size, longer = divmod(num_examples, splits)  # np.array_split's cut: the first ``longer`` batches one longer
+    bounds = [i * size + min(i, longer) for i in range(splits + 1)]
+    return [[order[bounds[i]:bounds[i + 1]] for i in range(splits)]
+            for order in (order_rng.permutation(num_examples) for _ in range(epochs))]
 
 
 def hog_rows(num_examples: int, hog_batch_size: int, seed: int) -> np.ndarray:

@@ -211,7 +211,7 @@ class CohortTrainer:
                     else:
                         velocity[key][:active].mul_(momentum).add_(gradient)
                     gradient = velocity[key][:active]
-                params[key][:active].sub_(learning_rate * gradient)
+                params[key][:active].add_(gradient, alpha=-learning_rate)  # torch.optim.SGD's own step
         back = torch.as_tensor(np.argsort(order), device=self.device)  # row of each client, in the order asked
         updates = torch.cat([(params[k] - start[k]).reshape(cohort, -1) for k in self.keys], dim=1)[back]
         client_steps = steps.tolist()
