@@ -265,11 +265,11 @@ def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tupl
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        state = copy.deepcopy({
-            "model": arrays.to_torch_state_dict(), "accountant": strategy.accountant.state_dict(),
-            "server_optimizer": strategy.server_optimizer.state_dict(),
-            "adaptive_clipping": None if strategy.adaptive_clipping is None
-            else strategy.adaptive_clipping.state_dict()})
+        state = {"model": arrays.to_torch_state_dict(),  # fresh tensors, read from the record's bytes: no copy
+                 **copy.deepcopy({"accountant": strategy.accountant.state_dict(),
+                                  "server_optimizer": strategy.server_optimizer.state_dict(),
+                                  "adaptive_clipping": None if strategy.adaptive_clipping is None
+                                  else strategy.adaptive_clipping.state_dict()})}
         shown, client_metrics, logged = copy.deepcopy(record), list(strategy.client_metrics), len(rows)
 
         def write() -> None:
