@@ -187,6 +187,31 @@ class SecureAggregator(Strategy):
                 f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon}, "
                 f"secure_aggregation={self.secure_aggregation!r})")
 
+    @property
+    def round_record(self) -> RoundRecord:
+        """The record of the round in progress (from :meth:`begin_round` on)."""
+        if self.current is None:
+            raise RuntimeError("no round in progress: begin_round first")
+        return self.current
+
+    @property
+    def global_model(self) -> ArrayRecord:
+        """The round's global model (from :meth:`begin_round` on)."""
+        if self._global is None:
+            raise RuntimeError("no round in progress: begin_round first")
+        return self._global
+
+    def _round_streams(self) -> RoundRandomness:
+        """This round's private streams, while the round has not released."""
+        if self._round_randomness is None:
+            raise RuntimeError("this round's randomness is gone: it has released, or never began")
+        return self._round_randomness
+
+    def _take_round_streams(self) -> RoundRandomness:
+        """This round's private streams, dropped from the strategy: a round releases once."""
+        randomness, self._round_randomness = self._round_streams(), None
+        return randomness
+
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
         log(INFO, "\t├──> %r", self)
@@ -298,13 +323,13 @@ class SecureAggregator(Strategy):
         return TrainRequest(server_round, arrays, config, cohort, self.mechanism.wants_term, timeout)
 
     def _reader(self) -> ReplyReader:
-        return ReplyReader(self._global, self._cohort, self.mechanism.wants_term)
+        return ReplyReader(self.global_model, self._cohort, self.mechanism.wants_term)
 
     def finish_replies(
         self, server_round: int, replies: CohortReplies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Count the replies refused on arrival and the bytes received, then :meth:`finish_round`."""
-        self.current.bytes_received += replies.bytes_received
+        self.round_record.bytes_received += replies.bytes_received
         for sender, error in replies.refused:
             self._count_rejection(server_round, sender, error)
         return self.finish_round(server_round, replies.results)
@@ -317,7 +342,7 @@ class SecureAggregator(Strategy):
         Every engine ends a trusted-server round here, with the results its
         :class:`~fedhog.replies.CohortRunner` delivered.
         """
-        record = self.current
+        record = self.round_record
         results = list(results)
         contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
         for result, verdict in zip(results, self._validate(results), strict=True):
@@ -330,8 +355,8 @@ class SecureAggregator(Strategy):
         if record.clients_sampled and not contributions and self.mechanism.clips:
             self._note_empty_round(server_round)
 
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         mechanism = self._round_mechanism()
         # One ξ per slot of the population: a client's ξ does not depend on who else replied.
@@ -356,8 +381,8 @@ class SecureAggregator(Strategy):
             raise ValueError(f"{len(self._cohort)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         mechanism = self._round_mechanism()
         slots = list(self._cohort.values())  # ξ drawn before training: the mixing stream is the round's own
-        xis = mechanism.xis(self._round_randomness.mixing, len(self.slot_of_node), slots)
-        dimension = sum(int(np.prod(a.shape)) for a in self._global.values())
+        xis = mechanism.xis(self._round_streams().mixing, len(self.slot_of_node), slots)
+        dimension = sum(int(np.prod(a.shape)) for a in self.global_model.values())
         return ReductionPlan(self.reply_check, mechanism, dict(zip(slots, map(float, xis), strict=True)), dimension)
 
     def finish_reduced(self, server_round: int, reduced: ReducedCohort,
@@ -367,7 +392,7 @@ class SecureAggregator(Strategy):
         The same release as :meth:`finish_round` on the same results: the same checks, the
         same exact sum, the same noise, statistics over the accepted contributions in slot order.
         """
-        record = self.current
+        record = self.round_record
         record.bytes_received += reduced.bytes_received
         for slot, error in sorted(reduced.refused, key=lambda item: item[0]):
             self._count_rejection(server_round, f"slot {slot}", error)
@@ -375,8 +400,8 @@ class SecureAggregator(Strategy):
         record.clients_accepted = len(accepted)
         if record.clients_sampled and not accepted:
             self._note_empty_round(server_round)
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         noisy_sum, sum_std = plan.mechanism.add_noise(reduced.lattice_sum, plan.lattice, randomness.noise,
                                                       len(accepted))
@@ -392,7 +417,7 @@ class SecureAggregator(Strategy):
                  stats: AggregateStats, mechanism: Mechanism, randomness: RoundRandomness,
                  client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
         """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
-        record = self.current
+        record = self.round_record
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         record.clipping_norm = mechanism.clipping_norm
         if self.adaptive_clipping is not None:
@@ -413,7 +438,7 @@ class SecureAggregator(Strategy):
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
         seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
-        return unflatten_like(new_flat, self._global), MetricRecord(
+        return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
@@ -435,7 +460,7 @@ class SecureAggregator(Strategy):
         every sampled client raised, is an operational decision the accountant
         does not cover: it discloses that the federation failed).
         """
-        record = self.current
+        record = self.round_record
         rejected = ", ".join(f"{kind} ×{count}" for kind, count in sorted(record.rejections.items()))
         record.failure = (f"no accepted contribution ({record.clients_sampled} sampled, "
                           + (f"rejected: {rejected}" if rejected else "no reply arrived")
@@ -452,7 +477,7 @@ class SecureAggregator(Strategy):
         """
         cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
-        record = self.current
+        record = self.round_record
         dimension = sum(int(np.prod(a.shape)) for a in arrays.values())
         watch = _WeightsWatch(grid)
         try:
@@ -478,14 +503,14 @@ class SecureAggregator(Strategy):
         With distributed noise the unmasked sum carries its contributors' noise
         and the mechanism releases it as it is: g·S/K.
         """
-        record = self.current
+        record = self.round_record
         for sender, reason in result.dropped.items():
             self._count_rejection(server_round, sender, reason)
         record.bytes_received += result.bytes_received
         record.clients_accepted = result.contributors
         record.clipping_norm = self.mechanism.clipping_norm
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         noisy_sum, sum_std = self.mechanism.add_noise(result.levels, result.lattice.noise_lattice(flat_global.numel()),
                                                       randomness.noise, result.contributors)
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
@@ -494,7 +519,7 @@ class SecureAggregator(Strategy):
                                      record)
         record.epsilon = self.accountant.epsilon()
         record.noise_std = sum_std / expected_cohort
-        return unflatten_like(new_flat, self._global), MetricRecord(
+        return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected})
 
@@ -509,7 +534,7 @@ class SecureAggregator(Strategy):
         return new_flat
 
     def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
-        record = self.current
+        record = self.round_record
         kind = error.kind.value  # a plain str: records are written to metrics.json and checkpoints
         record.clients_rejected += 1
         record.rejections[kind] = record.rejections.get(kind, 0) + 1
@@ -602,7 +627,7 @@ class SecureAggregator(Strategy):
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
-            record = self.current
+            record = self.round_record
             if evaluate_fn:
                 metrics = evaluate_fn(server_round, arrays)
                 result.evaluate_metrics_serverapp[server_round] = metrics
