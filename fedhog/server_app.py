@@ -78,11 +78,11 @@ def build_strategy(config: RunConfig, dimension: int = 0) -> SecureAggregator:
         lattice, noise = config.secure_plan(dimension)
         secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, lattice, config.clipping_norm,
                                 noise)
-    accountant = mechanism.accountant(config.sampling, config.sampling_rate,  # type: ignore[arg-type]
+    accountant = mechanism.accountant(config.sampling, config.sampling_rate,
                                       config.population, config.delta, config.accountant)
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
-    return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
+    return SecureAggregator(mechanism, accountant, randomness, config.sampling,
                             config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
                             config.max_update_norm, equal_weights=config.client_dp == "dpsgd",
