@@ -214,13 +214,15 @@ class RunConfig:
         mechanism with the clients' noise shares (their plan, :meth:`secure_plan`, needs the model's dimension d)."""
         if self.noise != "distributed":
             return self.privacy_mechanism
-        return self.privacy_mechanism.with_client_noise(self.secure_plan(dimension)[1])
+        return self.privacy_mechanism.with_client_noise(self.distributed_noise(dimension))
 
     @property
     def adaptive_clipping_settings(self) -> AdaptiveClippingSettings | None:
         """Adaptive clipping starting at ``clipping-norm``, or None when off."""
-        if not self.adaptive_clipping:
-            return None
+        return self._adaptive_clipping() if self.adaptive_clipping else None
+
+    def _adaptive_clipping(self) -> AdaptiveClippingSettings:
+        """The adaptive clipping the ``adaptive-clipping`` keys describe, whether it is on or not."""
         from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std  # torch
 
         count_std = default_count_noise_std(self.expected_cohort) if self.count_noise_std < 0 else self.count_noise_std
@@ -275,6 +277,17 @@ class RunConfig:
 
         if self.noise != "distributed":
             return ModularLattice.for_cohort(self.clipping_norm, self.largest_cohort, self.secagg_modulus_bits), None
+        noise = self.distributed_noise(dimension)
+        return noise.lattice, noise
+
+    def distributed_noise(self, dimension: int) -> DistributedNoise:
+        """The clients' noise plan of ``noise = "distributed"`` (:meth:`secure_plan`'s second half), with its lattice.
+
+        Raises
+        ------
+        ConfigError
+            As :meth:`secure_plan` says.
+        """
         from .secure_aggregation.distributed_noise import plan_distributed_noise  # dp_accounting, scipy
 
         def plan(bits: int) -> DistributedNoise:
@@ -283,7 +296,7 @@ class RunConfig:
                                           self.noise_multiplier)
 
         try:
-            noise = plan(self.secagg_modulus_bits)
+            return plan(self.secagg_modulus_bits)
         except ValueError as error:
             needed = next((b for b in range(self.secagg_modulus_bits + 1, MAX_MODULUS_BITS + 1)
                            if _plans(plan, b)), None)
@@ -292,7 +305,6 @@ class RunConfig:
                 f"of {dimension} parameters: {error}; expected "
                 + (f"≥ {needed} bits" if needed else f"at most {MAX_MODULUS_BITS} bits, which do not suffice either")
             ) from None
-        return noise.lattice, noise
 
     # --- validation --------------------------------------------------------
     def validate(self) -> None:
@@ -482,7 +494,7 @@ class RunConfig:
         _check("count-noise-std", self.count_noise_std,
                self.count_noise_std == -1 or (math.isfinite(self.count_noise_std) and self.count_noise_std >= 0),
                "-1 (expected cohort / 20) or a finite number ≥ 0")
-        count_std = self.adaptive_clipping_settings.count_noise_std
+        count_std = self._adaptive_clipping().count_noise_std
         if self.noise_multiplier > 0 and not count_std > self.noise_multiplier / 2:
             raise ConfigError(f"count-noise-std={self.count_noise_std!r} (σ_b = {count_std:g}) must exceed "
                               f"noise-multiplier/2 = {self.noise_multiplier / 2:g}; raise it or lower noise-multiplier")

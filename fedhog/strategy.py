@@ -6,7 +6,6 @@ trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -372,8 +371,8 @@ class SecureAggregator(Strategy):
         """The mechanism of this round: with adaptive clipping, its current C and the update's σ."""
         if self.adaptive_clipping is None:
             return self.mechanism
-        return dataclasses.replace(self.mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                   noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        return self.mechanism.with_clipping(self.adaptive_clipping.clipping_norm,
+                                            self.adaptive_clipping.update_noise_multiplier)
 
     def reduction_plan(self) -> ReductionPlan:
         """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""

@@ -48,7 +48,6 @@ optimizer is forced to plain SGD with η = 1 (any other is post-processing).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,8 +252,8 @@ def run_batched(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
         present = sampled[signs[sampled] != 0]
         mechanism = strategy.mechanism
         if strategy.adaptive_clipping is not None:
-            mechanism = dataclasses.replace(mechanism, clipping_norm=strategy.adaptive_clipping.clipping_norm,
-                                            noise_multiplier=strategy.adaptive_clipping.update_noise_multiplier)
+            mechanism = mechanism.with_clipping(strategy.adaptive_clipping.clipping_norm,
+                                                strategy.adaptive_clipping.update_noise_multiplier)
         xis = mechanism.xis(randomness.mixing, count, present)  # one ξ per slot, as the strategy draws them
         lattice = NoiseLattice.for_settings(mechanism, dimension)
         levels = torch.zeros(dimension, dtype=torch.int64)
