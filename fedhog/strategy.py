@@ -34,7 +34,7 @@ from .privacy.mechanism import (
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
-from .protocol import BadReply, ClientResult, Rejection
+from .protocol import BadReply, ClientResult, MetricValue, Rejection
 from .replies import (
     CohortReplies,
     CohortRunner,
@@ -178,7 +178,7 @@ class SecureAggregator(Strategy):
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
         self.current: RoundRecord | None = None
-        self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
+        self.client_metrics: list[dict[str, MetricValue]] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
 
     def __repr__(self) -> str:
@@ -343,7 +343,7 @@ class SecureAggregator(Strategy):
         """
         record = self.round_record
         results = list(results)
-        contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
+        contributions: list[tuple[int, Contribution, Mapping[str, MetricValue]]] = []
         for result, verdict in zip(results, self._validate(results), strict=True):
             if isinstance(verdict, BadReply):
                 self._count_rejection(server_round, f"slot {result.slot}", verdict)
@@ -414,7 +414,7 @@ class SecureAggregator(Strategy):
 
     def _release(self, server_round: int, flat_global: torch.Tensor, averaged: torch.Tensor,
                  stats: AggregateStats, mechanism: Mechanism, randomness: RoundRandomness,
-                 client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
+                 client_metrics: list[Mapping[str, MetricValue]]) -> tuple[ArrayRecord, MetricRecord]:
         """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
         record = self.round_record
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
@@ -430,12 +430,11 @@ class SecureAggregator(Strategy):
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         self.client_metrics = [dict(m) for m in client_metrics]
-        losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
-                  if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
+        losses = [v for v in _numbers(client_metrics, protocol.TRAIN_LOSS) if v >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
-        record_epsilons = [m[protocol.DPSGD_EPSILON] for m in client_metrics if protocol.DPSGD_EPSILON in m]
+        record_epsilons = _numbers(client_metrics, protocol.DPSGD_EPSILON)
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
-        seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
+        seconds = _numbers(client_metrics, protocol.THIRD_ORDER_SECONDS)
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
         return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
@@ -693,6 +692,12 @@ class _WeightsWatch:
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _numbers(client_metrics: Iterable[Mapping[str, MetricValue]], key: str) -> list[int | float]:
+    """The values of metric ``key``, of the clients that sent it (a number: :class:`~fedhog.replies.ReplyCheck`
+    refuses a reply where it is not)."""
+    return [value for m in client_metrics if protocol.is_number(value := m.get(key))]
 
 
 def _mean(values: list[float]) -> float:

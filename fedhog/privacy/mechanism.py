@@ -299,7 +299,7 @@ class Mechanism(ABC):
         step = rows_per_pass(numel)
         for start in range(0, len(contributions), step):
             chunk = contributions[start:start + step]
-            terms = _stack([c.term for c in chunk], "third-order term") if self.wants_term else None
+            terms = stack_terms(chunk) if self.wants_term else None
             rows, seen = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
                                                     torch.tensor(xis[start:start + step], dtype=torch.float64))
             total += lattice.quantize(rows).sum(dim=0)
@@ -614,11 +614,12 @@ def sampler_slack(accountant_noise_multiplier: float, std_steps: float, dimensio
     return SamplerSlack(2 * kappa, math.expm1(kappa) * delta + min(1.0, tail))
 
 
-def _stack(tensors: list[torch.Tensor | None], what: str) -> torch.Tensor:
-    present = [t for t in tensors if t is not None]
-    if len(present) != len(tensors):
-        raise ValueError(f"mechanism 'hog' needs a {what} in every contribution")
-    return torch.stack(present)
+def stack_terms(contributions: Sequence[Contribution]) -> torch.Tensor:
+    """The contributions' third-order terms as rows ``[R, P]``; ValueError if one has none."""
+    terms = [c.term for c in contributions if c.term is not None]
+    if len(terms) != len(contributions):
+        raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+    return torch.stack(terms)
 
 
 def _mean(values: list[float]) -> float:
