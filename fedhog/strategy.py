@@ -281,8 +281,9 @@ class SecureAggregator(Strategy):
             messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
             mapping = {}
             for reply in grid.send_and_receive(messages, timeout=timeout):
-                if not reply.has_error():
-                    mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
+                partition = None if reply.has_error() else _partition_id(reply.content)
+                if partition is not None:  # else the node counts as not answering
+                    mapping[reply.metadata.src_node_id] = partition
         if sorted(mapping.values()) != list(range(population)):
             raise RuntimeError(_population_mismatch(
                 population, f"the {len(mapping)} nodes that answered hold {len(set(mapping.values()))} "
@@ -473,6 +474,9 @@ class SecureAggregator(Strategy):
         vectors (uniform mod M), then their sum. A round that cannot be
         unmasked releases nothing and spends no ε; ``failure`` says why.
         """
+        settings = self.secure_aggregation
+        if settings is None:
+            raise RuntimeError("secure_round needs the strategy's secure_aggregation settings")
         cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
         record = self.round_record
@@ -480,7 +484,7 @@ class SecureAggregator(Strategy):
         watch = _WeightsWatch(grid)
         try:
             result = secure_sum(watch, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
-                                self.secure_aggregation, timeout, group_id=str(server_round))
+                                settings, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
             for sender, reason in watch.reasons(error.dropped).items():
                 self._count_rejection(server_round, sender, reason)
@@ -602,7 +606,7 @@ class SecureAggregator(Strategy):
                 f"noise multiplier {self.accountant.noise_multiplier:g} is too small for the noise "
                 f"sampler's analysis (values within 20 standard deviations): it adds up to {slack.delta:.3g} to "
                 f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
-        runner = runner if runner is not None else MessageRunner(grid)
+        runner = runner if runner is not None else MessageRunner(_needed(grid, "a round without a runner"))
         result = Result()
         arrays = initial_arrays
         handed_over = time.perf_counter()  # when the last round's record was complete: where this round's time starts
@@ -613,7 +617,8 @@ class SecureAggregator(Strategy):
                 break
             config = ConfigRecord(dict(train_config or {}))
             if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
-                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
+                new_arrays, train_metrics = self.secure_round(_needed(grid, "secure aggregation"), server_round,
+                                                              arrays, config, timeout)
             else:
                 request = self._train_request(server_round, arrays, config, timeout)
                 if isinstance(runner, ReducingRunner) and self.mechanism.clips:  # reduced where trained
@@ -626,8 +631,7 @@ class SecureAggregator(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             record = self.round_record
-            if evaluate_fn:
-                metrics = evaluate_fn(server_round, arrays)
+            if evaluate_fn and (metrics := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = metrics
                 record.take_evaluation(metrics)
             # everything since the last round's record: that round's diagnostics, checkpoint and writes included
@@ -673,9 +677,6 @@ class _WeightsWatch:
         self._grid = grid
         self.senders: set[str] = set()  # "node <id>", as the protocol names dropped nodes
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
-
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         """The grid's replies, unchanged; the senders of weights noted."""
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
@@ -687,6 +688,20 @@ class _WeightsWatch:
         """``dropped`` with the reason of every node that sent weights replaced by the clear one."""
         return {sender: BadReply(Rejection.WEIGHTS_REFUSED, WEIGHTS_UNDER_SECURE_AGGREGATION)
                 if sender in self.senders else reason for sender, reason in dropped.items()}
+
+
+def _needed(grid: Grid | None, what: str) -> Grid:
+    """``grid``, which ``what`` sends its messages through (ValueError if there is none)."""
+    if grid is None:
+        raise ValueError(f"{what} needs a grid: its messages go through one")
+    return grid
+
+
+def _partition_id(content: RecordDict) -> int | None:
+    """The partition id a node's query reply states, None if it states no integer one."""
+    metrics = content.metric_records.get(protocol.METRICS)
+    value = None if metrics is None else metrics.get(protocol.PARTITION_ID)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _population_mismatch(population: int, found: str) -> str:
