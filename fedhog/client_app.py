@@ -26,7 +26,7 @@ from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import PrivacyRandomness, client_bits
 from .protocol import LocalWork
-from .replies import metric_record, term_keyed_like, to_cpu
+from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -71,7 +71,7 @@ def train(msg: Message, context: Context) -> Message:
                             client_guard(run_config_of(context)))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = _server_round(msg)
+    server_round = server_round_of(msg)
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
         model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
@@ -85,19 +85,6 @@ def train(msg: Message, context: Context) -> Message:
     return aggregator.reply(msg, work, config)
 
 
-def _global_model(msg: Message) -> ArrayRecord:
-    """The train instruction's global model."""
-    return msg.content.array_records["arrays"]
-
-
-def _server_round(msg: Message) -> int:
-    """The train instruction's round number."""
-    value = msg.content.config_records["config"][protocol.SERVER_ROUND]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{protocol.SERVER_ROUND}={value!r} is not allowed; expected an integer")
-    return value
-
-
 def _load(msg: Message, config: RunConfig,
           partition_id: int) -> tuple[torch.nn.Module, ArrayData, ArrayData, dict[str, torch.Tensor]]:
     """The model at the global state, this client's training and validation data, the global state on the device."""
@@ -105,7 +92,7 @@ def _load(msg: Message, config: RunConfig,
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
     model = build_model(config.model, *dataset_info(config.data_spec), config.activation,
                         config.normalization).to(device)
-    global_state = _global_model(msg).to_torch_state_dict()
+    global_state = global_model_of(msg).to_torch_state_dict()
     model.load_state_dict(global_state)
     return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
 
@@ -156,8 +143,8 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     """
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = _server_round(msg)
-    arrays = _global_model(msg)
+    server_round = server_round_of(msg)
+    arrays = global_model_of(msg)
     keys = list(arrays.keys())
     mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in arrays.values()))
     work = _local_work(msg, config, partition_id, server_round, with_term=mechanism.wants_term)

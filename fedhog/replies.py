@@ -258,6 +258,19 @@ def train_messages(request: TrainRequest) -> list[Message]:
     return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in request.cohort]
 
 
+def global_model_of(msg: Message) -> ArrayRecord:
+    """A train instruction's global model (as :func:`train_messages` sends it)."""
+    return msg.content.array_records["arrays"]
+
+
+def server_round_of(msg: Message) -> int:
+    """A train instruction's round number (ValueError if it holds no integer one)."""
+    value = msg.content.config_records["config"][protocol.SERVER_ROUND]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{protocol.SERVER_ROUND}={value!r} is not allowed; expected an integer")
+    return value
+
+
 class MessageRunner:
     """The cohort's results through a Flower Grid: one train message per node, replies read by :class:`ReplyReader`."""
 

@@ -424,3 +424,18 @@ def test_a_metric_the_server_reads_as_a_number_refuses_a_list(key):
     arrays, _ = aggregator.aggregate_train(1, [reply(sent[NODES[0]], U0), odd])
     assert_round(aggregator, (arrays, _), 1, {"malformed": 1}, expected_global([U0], 1.0, 4, 1.0))
     assert aggregator.current.train_loss == 0.5  # the accepted reply's
+
+
+def test_a_train_instruction_is_read_typed():
+    """What a client reads of a train instruction: the round as an integer (another type is refused) and the model."""
+    from fedhog.replies import global_model_of, server_round_of
+
+    _, sent = make_aggregator()
+    instruction = sent[NODES[0]]
+    assert server_round_of(instruction) == 1
+    assert global_model_of(instruction) == as_record(GLOBAL_FLAT)
+    for odd in (2.0, "2", True):
+        message = Message(RecordDict({"arrays": as_record(GLOBAL_FLAT), "config": ConfigRecord({"server-round": odd})}),
+                          dst_node_id=NODES[0], message_type=MessageType.TRAIN)
+        with pytest.raises(ValueError, match=f"server-round={odd!r} is not allowed; expected an integer"):
+            server_round_of(message)
