@@ -139,12 +139,13 @@ def secure_sum(grid: MessageExchange, nodes: list[int], train_content: RecordDic
     state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=threshold_count(k, settings.threshold),
                    lattice=settings.lattice)
 
-    setup = ConfigRecord({Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k,
-                          Key.THRESHOLD: state.threshold, Key.CLIPPING_RANGE: float(settings.clipping_norm),
-                          Key.TARGET_RANGE: state.lattice.max_level, Key.MOD_RANGE: state.lattice.modulus,
-                          Key.MAX_WEIGHT: 1.0})
-    public_keys = _exchange(grid, state, {node: RecordDict({RECORD_KEY_CONFIGS: setup}) for node in nodes},
-                            timeout, group_id, read=_public_keys)
+    def setup() -> RecordDict:
+        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
+            Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,
+            Key.CLIPPING_RANGE: float(settings.clipping_norm), Key.TARGET_RANGE: state.lattice.max_level,
+            Key.MOD_RANGE: state.lattice.modulus, Key.MAX_WEIGHT: 1.0})})
+
+    public_keys = _exchange(grid, state, {node: setup() for node in nodes}, timeout, group_id, read=_public_keys)
     _check(state, set(public_keys), "setup")
 
     def share_keys(node: int) -> RecordDict:
