@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
     from .config import RunConfig
+    from .privacy.audit.attacks import Relation
     from .protocol import LocalWork
     from .server_app import ServerRun
 
@@ -40,7 +41,7 @@ class Aggregator(ABC):
     #: round's messages as one batch (fedhog's own rounds come through its cohort runner instead).
     batches_train_messages: ClassVar[bool] = False
     audit_harness: ClassVar[str | None] = None  # the audit's harness for it; None: the config's mechanism decides
-    audit_relation: ClassVar[str | None] = None  # the audit's neighbouring relation; None: the sampling decides
+    audit_relation: ClassVar[Relation | None] = None  # the audit's neighbouring relation; None: the sampling decides
 
     @abstractmethod
     def calibrate(self, config: RunConfig) -> float:

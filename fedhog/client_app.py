@@ -26,7 +26,7 @@ from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import PrivacyRandomness, client_bits
 from .protocol import LocalWork
-from .replies import term_keyed_like, to_cpu
+from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -71,14 +71,14 @@ def train(msg: Message, context: Context) -> Message:
                             client_guard(run_config_of(context)))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
+    server_round = server_round_of(msg)
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
         model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
             protocol.UPDATE: ArrayRecord(to_cpu(update)),
-            protocol.METRICS: MetricRecord(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
+            protocol.METRICS: metric_record(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
     aggregator = aggregator_of(config)  # fedhog's reply, or Flower's FedAvg reply (the flower-dp baseline)
     work = _local_work(msg, config, partition_id, server_round, with_term=aggregator.wants_term(config))
@@ -92,7 +92,7 @@ def _load(msg: Message, config: RunConfig,
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
     model = build_model(config.model, *dataset_info(config.data_spec), config.activation,
                         config.normalization).to(device)
-    global_state = msg.content["arrays"].to_torch_state_dict()
+    global_state = global_model_of(msg).to_torch_state_dict()
     model.load_state_dict(global_state)
     return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
 
@@ -143,9 +143,10 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     """
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
-    keys = list(msg.content["arrays"].keys())
-    mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in msg.content["arrays"].values()))
+    server_round = server_round_of(msg)
+    arrays = global_model_of(msg)
+    keys = list(arrays.keys())
+    mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in arrays.values()))
     work = _local_work(msg, config, partition_id, server_round, with_term=mechanism.wants_term)
     update = flatten(work.update, keys).detach().cpu()
     if not bool(torch.isfinite(update).all()):
@@ -176,7 +177,7 @@ def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig
     Noise and batches come from OS entropy unless ``privacy-seed`` ≥ 0. The
     accountant file is named by the server's job id (see :mod:`fedhog.client_state`).
     """
-    path = accountant_path(state_dir(context.node_config), msg.content["config"].get(protocol.JOB_ID),
+    path = accountant_path(state_dir(context.node_config), msg.content.config_records["config"].get(protocol.JOB_ID),
                            partition_id)
     bits = client_bits(None if config.privacy_seed < 0 else config.privacy_seed, server_round, partition_id)
     _, privacy = train_dpsgd(model, data, config.local_epochs, config.batch_size, config.learning_rate,

@@ -6,7 +6,6 @@ trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +34,7 @@ from .privacy.mechanism import (
 )
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
-from .protocol import BadReply, ClientResult, Rejection
+from .protocol import BadReply, ClientResult, MetricValue, Rejection
 from .replies import (
     CohortReplies,
     CohortRunner,
@@ -179,7 +178,7 @@ class SecureAggregator(Strategy):
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
         self.current: RoundRecord | None = None
-        self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
+        self.client_metrics: list[dict[str, MetricValue]] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
 
     def __repr__(self) -> str:
@@ -282,8 +281,9 @@ class SecureAggregator(Strategy):
             messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
             mapping = {}
             for reply in grid.send_and_receive(messages, timeout=timeout):
-                if not reply.has_error():
-                    mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
+                partition = None if reply.has_error() else _partition_id(reply.content)
+                if partition is not None:  # else the node counts as not answering
+                    mapping[reply.metadata.src_node_id] = partition
         if sorted(mapping.values()) != list(range(population)):
             raise RuntimeError(_population_mismatch(
                 population, f"the {len(mapping)} nodes that answered hold {len(set(mapping.values()))} "
@@ -344,7 +344,7 @@ class SecureAggregator(Strategy):
         """
         record = self.round_record
         results = list(results)
-        contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
+        contributions: list[tuple[int, Contribution, Mapping[str, MetricValue]]] = []
         for result, verdict in zip(results, self._validate(results), strict=True):
             if isinstance(verdict, BadReply):
                 self._count_rejection(server_round, f"slot {result.slot}", verdict)
@@ -372,8 +372,8 @@ class SecureAggregator(Strategy):
         """The mechanism of this round: with adaptive clipping, its current C and the update's σ."""
         if self.adaptive_clipping is None:
             return self.mechanism
-        return dataclasses.replace(self.mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                   noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        return self.mechanism.with_clipping(self.adaptive_clipping.clipping_norm,
+                                            self.adaptive_clipping.update_noise_multiplier)
 
     def reduction_plan(self) -> ReductionPlan:
         """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""
@@ -415,7 +415,7 @@ class SecureAggregator(Strategy):
 
     def _release(self, server_round: int, flat_global: torch.Tensor, averaged: torch.Tensor,
                  stats: AggregateStats, mechanism: Mechanism, randomness: RoundRandomness,
-                 client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
+                 client_metrics: list[Mapping[str, MetricValue]]) -> tuple[ArrayRecord, MetricRecord]:
         """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
         record = self.round_record
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
@@ -431,12 +431,11 @@ class SecureAggregator(Strategy):
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         self.client_metrics = [dict(m) for m in client_metrics]
-        losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
-                  if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
+        losses = [v for v in _numbers(client_metrics, protocol.TRAIN_LOSS) if v >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
-        record_epsilons = [m[protocol.DPSGD_EPSILON] for m in client_metrics if protocol.DPSGD_EPSILON in m]
+        record_epsilons = _numbers(client_metrics, protocol.DPSGD_EPSILON)
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
-        seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
+        seconds = _numbers(client_metrics, protocol.THIRD_ORDER_SECONDS)
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
         return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
@@ -475,6 +474,9 @@ class SecureAggregator(Strategy):
         vectors (uniform mod M), then their sum. A round that cannot be
         unmasked releases nothing and spends no ε; ``failure`` says why.
         """
+        settings = self.secure_aggregation
+        if settings is None:
+            raise RuntimeError("secure_round needs the strategy's secure_aggregation settings")
         cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
         record = self.round_record
@@ -482,7 +484,7 @@ class SecureAggregator(Strategy):
         watch = _WeightsWatch(grid)
         try:
             result = secure_sum(watch, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
-                                self.secure_aggregation, timeout, group_id=str(server_round))
+                                settings, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
             for sender, reason in watch.reasons(error.dropped).items():
                 self._count_rejection(server_round, sender, reason)
@@ -604,7 +606,7 @@ class SecureAggregator(Strategy):
                 f"noise multiplier {self.accountant.noise_multiplier:g} is too small for the noise "
                 f"sampler's analysis (values within 20 standard deviations): it adds up to {slack.delta:.3g} to "
                 f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
-        runner = runner if runner is not None else MessageRunner(grid)
+        runner = runner if runner is not None else MessageRunner(_needed(grid, "a round without a runner"))
         result = Result()
         arrays = initial_arrays
         handed_over = time.perf_counter()  # when the last round's record was complete: where this round's time starts
@@ -615,7 +617,8 @@ class SecureAggregator(Strategy):
                 break
             config = ConfigRecord(dict(train_config or {}))
             if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
-                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
+                new_arrays, train_metrics = self.secure_round(_needed(grid, "secure aggregation"), server_round,
+                                                              arrays, config, timeout)
             else:
                 request = self._train_request(server_round, arrays, config, timeout)
                 if isinstance(runner, ReducingRunner) and self.mechanism.clips:  # reduced where trained
@@ -628,8 +631,7 @@ class SecureAggregator(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             record = self.round_record
-            if evaluate_fn:
-                metrics = evaluate_fn(server_round, arrays)
+            if evaluate_fn and (metrics := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = metrics
                 record.take_evaluation(metrics)
             # everything since the last round's record: that round's diagnostics, checkpoint and writes included
@@ -675,9 +677,6 @@ class _WeightsWatch:
         self._grid = grid
         self.senders: set[str] = set()  # "node <id>", as the protocol names dropped nodes
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
-
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         """The grid's replies, unchanged; the senders of weights noted."""
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
@@ -691,9 +690,29 @@ class _WeightsWatch:
                 if sender in self.senders else reason for sender, reason in dropped.items()}
 
 
+def _needed(grid: Grid | None, what: str) -> Grid:
+    """``grid``, which ``what`` sends its messages through (ValueError if there is none)."""
+    if grid is None:
+        raise ValueError(f"{what} needs a grid: its messages go through one")
+    return grid
+
+
+def _partition_id(content: RecordDict) -> int | None:
+    """The partition id a node's query reply states, None if it states no integer one."""
+    metrics = content.metric_records.get(protocol.METRICS)
+    value = None if metrics is None else metrics.get(protocol.PARTITION_ID)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _numbers(client_metrics: Iterable[Mapping[str, MetricValue]], key: str) -> list[int | float]:
+    """The values of metric ``key``, of the clients that sent it (a number: :class:`~fedhog.replies.ReplyCheck`
+    refuses a reply where it is not)."""
+    return [value for m in client_metrics if protocol.is_number(value := m.get(key))]
 
 
 def _mean(values: list[float]) -> float:

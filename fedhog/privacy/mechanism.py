@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -208,11 +208,10 @@ class Mechanism(ABC):
     The strategy, the ClientApp, the engines and the audit ask the mechanism
     (:attr:`wants_term`, :meth:`constrain_sensitivity`, :meth:`add_noise`, ...)
     and never which one it is. Mechanisms are immutable: adaptive clipping runs
-    a round with ``dataclasses.replace(mechanism, clipping_norm=..., noise_multiplier=...)``.
+    a round with :meth:`with_clipping`. Each mechanism class sets :attr:`name`
+    and :attr:`wants_term` as class constants (:data:`MECHANISM_REGISTRY` reads them).
     """
 
-    name: ClassVar[str]  # the config's ``mechanism`` value
-    wants_term: ClassVar[bool] = False  # each client also sends its third-order term t_i
     #: Bounds each contribution (a sensitivity): it can be noised and summed under secure aggregation, and a round
     #: with no accepted contribution still releases (the noise alone: withholding it would tell who replied).
     clips: ClassVar[bool] = True
@@ -220,9 +219,24 @@ class Mechanism(ABC):
     noise_multiplier: float  # σ
 
     @property
+    @abstractmethod
+    def name(self) -> str:
+        """The config's ``mechanism`` value."""
+
+    @property
+    @abstractmethod
+    def wants_term(self) -> bool:
+        """Whether each client also sends its third-order term t_i."""
+
+    @property
     def has_guarantee(self) -> bool:
         """Whether the release is differentially private (ε < ∞)."""
         return self.noise_multiplier > 0.0
+
+    @abstractmethod
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> Mechanism:
+        """This mechanism with clipping norm C = ``clipping_norm`` and σ = ``noise_multiplier``, all else the same
+        (adaptive clipping's round)."""
 
     @abstractmethod
     def describe(self) -> str:
@@ -279,17 +293,19 @@ class Mechanism(ABC):
             raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         lattice = NoiseLattice.for_settings(self, numel)
         total = torch.zeros(numel, dtype=torch.int64)
-        norms, clipped, ratios = [], [], []
+        norms: list[float] = []
+        clipped: list[bool] = []
+        ratios: list[float] = []
         step = rows_per_pass(numel)
         for start in range(0, len(contributions), step):
             chunk = contributions[start:start + step]
-            terms = _stack([c.term for c in chunk], "third-order term") if self.wants_term else None
-            rows, stats = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
-                                                     torch.tensor(xis[start:start + step], dtype=torch.float64))
+            terms = stack_terms(chunk) if self.wants_term else None
+            rows, seen = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
+                                                    torch.tensor(xis[start:start + step], dtype=torch.float64))
             total += lattice.quantize(rows).sum(dim=0)
-            norms += stats.norms_before_clip
-            clipped += stats.clipped
-            ratios += [r for r in stats.mixing_ratios if not math.isnan(r)]
+            norms += seen.norms_before_clip
+            clipped += seen.clipped
+            ratios += [r for r in seen.mixing_ratios if not math.isnan(r)]
         noisy_sum, sum_std = self.add_noise(total, lattice, bits, len(contributions))
         stats = AggregateStats(
             num_contributions=len(contributions),
@@ -325,6 +341,7 @@ class NoPrivacy(Mechanism):
     clipping_norm: float
     noise_multiplier: float = 0.0
     name: ClassVar[str] = "none"
+    wants_term: ClassVar[bool] = False
     clips: ClassVar[bool] = False
 
     @property
@@ -335,6 +352,10 @@ class NoPrivacy(Mechanism):
     def describe(self) -> str:
         """FedAvg, without privacy."""
         return "none: FedAvg (example-weighted mean), no clipping, no noise: ε = ∞"
+
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> NoPrivacy:
+        """The same FedAvg, reporting these C and σ."""
+        return replace(self, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier)
 
     def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
                               xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
@@ -370,11 +391,16 @@ class GaussianMechanism(Mechanism):
     clipping_norm: float
     noise_multiplier: float = 0.0
     name: ClassVar[str] = "gaussian"
+    wants_term: ClassVar[bool] = False
 
     def describe(self) -> str:
         """Clipping and the server's lattice noise."""
         return (f"gaussian: clip each update to C={self.clipping_norm:g}, the server adds discrete Gaussian noise "
                 f"σ={self.noise_multiplier:g} to the lattice sum")
+
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> GaussianMechanism:
+        """This mechanism (its class and γ too) with another C and σ."""
+        return replace(self, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier)
 
     def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
                               xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
@@ -464,26 +490,27 @@ class DistributedGaussian(Mechanism):
 
     inner: Mechanism
     plan: DistributedNoise
+    clipping_norm: float = field(init=False, repr=False, compare=False)  # the inner mechanism's C
+    noise_multiplier: float = field(init=False, repr=False, compare=False)  # the config's σ (σ_l is the plan's)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clipping_norm", self.inner.clipping_norm)
+        object.__setattr__(self, "noise_multiplier", self.inner.noise_multiplier)
 
     @property
-    def name(self) -> str:  # type: ignore[override]
+    def name(self) -> str:
         """The inner mechanism's name (the config's ``mechanism``)."""
         return self.inner.name
 
     @property
-    def wants_term(self) -> bool:  # type: ignore[override]
+    def wants_term(self) -> bool:
         """Whether the inner mechanism mixes a term in."""
         return self.inner.wants_term
 
-    @property
-    def clipping_norm(self) -> float:  # type: ignore[override]
-        """The inner mechanism's C."""
-        return self.inner.clipping_norm
-
-    @property
-    def noise_multiplier(self) -> float:  # type: ignore[override]
-        """The config's σ (the clients' σ_l is the plan's)."""
-        return self.inner.noise_multiplier
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> DistributedGaussian:
+        """Refused: the clients' noise plan (σ_l, the lattice) is calibrated to C, so C cannot change in a run."""
+        raise ValueError("distributed noise cannot change its clipping norm: the clients' noise plan is calibrated "
+                         "to it (adaptive clipping runs with a trusted server)")
 
     @property
     def has_guarantee(self) -> bool:
@@ -587,10 +614,12 @@ def sampler_slack(accountant_noise_multiplier: float, std_steps: float, dimensio
     return SamplerSlack(2 * kappa, math.expm1(kappa) * delta + min(1.0, tail))
 
 
-def _stack(tensors: list[torch.Tensor | None], what: str) -> torch.Tensor:
-    if any(t is None for t in tensors):
-        raise ValueError(f"mechanism 'hog' needs a {what} in every contribution")
-    return torch.stack(tensors)
+def stack_terms(contributions: Sequence[Contribution]) -> torch.Tensor:
+    """The contributions' third-order terms as rows ``[R, P]``; ValueError if one has none."""
+    terms = [c.term for c in contributions if c.term is not None]
+    if len(terms) != len(contributions):
+        raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+    return torch.stack(terms)
 
 
 def _mean(values: list[float]) -> float:
