@@ -41,7 +41,7 @@ from ..config import ConfigError, RunConfig
 from ..data import dataset_info, training_sizes
 from ..models import build_model, is_factory
 from ..protocol import LocalWork
-from ..replies import CohortReplies, ReducedCohort, ReductionPlan, TrainRequest
+from ..replies import CohortReplies, ReducedCohort, ReductionPlan, TrainRequest, global_model_of, server_round_of
 from ..training import direction_seed
 from .cohort import unbatchable_model_reason
 from .inprocess import InProcessGrid
@@ -157,11 +157,11 @@ class VectorizedRunner:
         if not isinstance(self.shards, LocalShards):
             raise ValueError(f"aggregator={self.config.aggregator!r} trains in this process: it cannot take shards > 1")
         aggregator = aggregator_of(self.config)
-        arrays = messages[0].content["arrays"]
-        if any(m.content["arrays"] != arrays for m in messages):
+        arrays = global_model_of(messages[0])
+        if any(global_model_of(m) != arrays for m in messages):
             raise ValueError(f"{self.config.aggregator}: the strategy sent different models in one round; "
                              "they cannot train as one batch")
-        server_round = int(messages[0].content["config"][protocol.SERVER_ROUND])
+        server_round = server_round_of(messages[0])
         partitions = [self.partition_of_node[m.metadata.dst_node_id] for m in messages]
         seeds = [direction_seed(self.config.seed, server_round, p) for p in partitions]
         start = arrays.to_torch_state_dict()
