@@ -214,7 +214,9 @@ class RunConfig:
         mechanism with the clients' noise shares (their plan, :meth:`secure_plan`, needs the model's dimension d)."""
         if self.noise != "distributed":
             return self.privacy_mechanism
-        return self.privacy_mechanism.with_client_noise(self.distributed_noise(dimension))
+        from .secure_aggregation.distributed_noise import DistributedGaussian  # torch
+
+        return DistributedGaussian(self.privacy_mechanism, self.distributed_noise(dimension))
 
     @property
     def adaptive_clipping_settings(self) -> AdaptiveClippingSettings | None:

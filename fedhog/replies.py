@@ -35,7 +35,8 @@ from flwr.serverapp import Grid
 from . import protocol
 from .layout import flatten_record
 from .monitoring import reply_nbytes
-from .privacy.mechanism import Contribution, Mechanism, NoiseLattice, norms_of, rows_per_pass, stack_terms
+from .privacy.lattice import NoiseLattice
+from .privacy.mechanism import Contribution, Mechanism, norms_of, rows_per_pass, stack_terms
 from .protocol import BadReply, ClientResult, Rejection
 
 

@@ -24,15 +24,10 @@ from . import protocol
 from .layout import flatten_record, unflatten_like
 from .privacy.accounting import Accountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.mechanism import (
-    MAX_CONTRIBUTIONS,
-    MAX_TAIL_DELTA_SHARE,
-    AggregateStats,
-    Contribution,
-    Mechanism,
-    NoiseLattice,
-)
+from .privacy.lattice import MAX_CONTRIBUTIONS, NoiseLattice
+from .privacy.mechanism import AggregateStats, Contribution, Mechanism
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
+from .privacy.sampler_slack import MAX_TAIL_DELTA_SHARE
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
 from .protocol import BadReply, ClientResult, MetricValue, Rejection
 from .replies import (

@@ -10,14 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from fedhog.privacy.mechanism import (
-    CLIP_GUARD,
-    Contribution,
-    NoiseLattice,
-    build_mechanism,
-    sampler_slack,
-)
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import CLIP_GUARD, Contribution, build_mechanism
 from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits, sampler_log_ratio_bound
+from fedhog.privacy.sampler_slack import sampler_slack
 
 F64 = torch.float64
 

@@ -11,7 +11,8 @@ from flwr.common.constant import ErrorCode
 
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.mechanism import NoiseLattice, build_mechanism
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import build_mechanism
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
 from fedhog.protocol import Rejection
 from fedhog.server_optimizer import ServerOptimizerSettings

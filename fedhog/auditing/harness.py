@@ -61,7 +61,8 @@ from ..aggregators import aggregator_of
 from ..config import RunConfig
 from ..dpsgd import DpSgdSettings
 from ..privacy.audit.attacks import Observation, Relation
-from ..privacy.mechanism import CLIP_GUARD, GaussianMechanism, NoiseLattice
+from ..privacy.lattice import NoiseLattice
+from ..privacy.mechanism import CLIP_GUARD, GaussianMechanism
 from ..privacy.randomness import PrivacyRandomness, client_bits
 from ..privacy.sampling import sample_cohort
 from ..protocol import ClientResult

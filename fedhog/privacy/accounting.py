@@ -34,7 +34,7 @@ from flwr.supercore.privacy_accounting import (
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant  # its home (flwr.serverapp re-exports it)
 
 from ..choices import ACCOUNTANTS
-from .mechanism import SamplerSlack, sampler_slack
+from .sampler_slack import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
 from .schedule import EpsilonSchedule
 
