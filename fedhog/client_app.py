@@ -7,6 +7,7 @@ Thin by design: the work is in :mod:`fedhog.training` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -21,12 +22,13 @@ from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
 from .dpsgd import RecordPrivacy, train_dpsgd
+from .flower_baseline import flower_dp_reply
 from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import PrivacyRandomness, client_bits
 from .protocol import LocalWork
-from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu
+from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu, train_reply
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -80,9 +82,26 @@ def train(msg: Message, context: Context) -> Message:
             protocol.UPDATE: ArrayRecord(to_cpu(update)),
             protocol.METRICS: metric_record(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
-    aggregator = aggregator_of(config)  # fedhog's reply, or Flower's FedAvg reply (the flower-dp baseline)
-    work = _local_work(msg, config, partition_id, server_round, with_term=aggregator.wants_term(config))
-    return aggregator.reply(msg, work, config)
+    with_term = aggregator_of(config).takes_terms and config.privacy_mechanism.wants_term
+    work = _local_work(msg, config, partition_id, server_round, with_term=with_term)
+    return TRAIN_REPLIES[config.aggregator](msg, work, config)
+
+
+def _fedhog_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:
+    """Δ, t (when computed and finite) and the metrics, as :class:`~fedhog.replies.ReplyReader` reads them."""
+    return train_reply(msg, work)
+
+
+def _flower_dp_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:
+    """Flower's FedAvg reply: θ + η·Δ (the wrapper clips the change at η·C) and an equal weight."""
+    return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
+                           float(work.metrics[protocol.TRAIN_LOSS]))
+
+
+#: Each ``aggregator`` (:data:`fedhog.aggregators.AGGREGATOR_REGISTRY`) -> the ClientApp's reply to a train
+#: message, from the client's local work (the vectorized engine's batched replies too).
+TRAIN_REPLIES: dict[str, Callable[[Message, LocalWork, RunConfig], Message]] = {
+    "fedhog": _fedhog_reply, "flower-dp": _flower_dp_reply}
 
 
 def _load(msg: Message, config: RunConfig,

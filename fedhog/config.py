@@ -429,7 +429,11 @@ class RunConfig:
         """
         if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self
-        return dataclasses.replace(self, noise_multiplier=aggregator_of(self).calibrate(self))
+        sigma = aggregator_of(self).calibrate(
+            target_epsilon=self.target_epsilon, delta=self.delta, rounds=self.rounds, sampling=self.sampling,
+            sampling_rate=self.sampling_rate, population=self.population, accountant=self.accountant,
+            expected_cohort=self.expected_cohort)
+        return dataclasses.replace(self, noise_multiplier=sigma)
 
     def _validate_aggregator(self) -> None:
         """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""

@@ -49,7 +49,7 @@ DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is count
 
 @dataclass(frozen=True)
 class ServerRun:
-    """What the ServerApp hands its aggregator's rounds (:meth:`fedhog.aggregators.Aggregator.serve`)."""
+    """What the ServerApp hands its aggregator's rounds (:data:`SERVERS`)."""
 
     writer: ResultsWriter
     monitor: ServerMetrics
@@ -206,7 +206,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
         # behind the rounds (vectorized engine) the writer thread evaluates, with a model of its own
-        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
+        arrays, epsilon = SERVERS[config.aggregator](grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
                                                                    evaluate_with(copy.deepcopy(model)), checkpoint,
                                                                    diagnose))
     except BaseException as error:
@@ -368,6 +368,12 @@ def run_flower_baseline(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "
                                           "not for deployment)"))
     return run_flower_dp(grid, config, run.initial, run.evaluate_fn, on_round)
+
+
+#: Each ``aggregator`` (:data:`fedhog.aggregators.AGGREGATOR_REGISTRY`) -> the ServerApp's rounds for it, on a grid,
+#: after σ is calibrated and the initial model evaluated: the final model and ε.
+SERVERS: dict[str, Callable[[Grid, RunConfig, ServerRun], tuple[ArrayRecord, float]]] = {
+    "fedhog": run_secure_aggregator, "flower-dp": run_flower_baseline}
 
 
 def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | None) -> dict[str, object]:

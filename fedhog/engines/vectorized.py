@@ -37,6 +37,7 @@ from flwr.serverapp import ServerApp
 
 from .. import protocol
 from ..aggregators import aggregator_of
+from ..client_app import TRAIN_REPLIES
 from ..config import ConfigError, RunConfig
 from ..data import dataset_info, training_sizes
 from ..models import build_model, is_factory
@@ -156,7 +157,7 @@ class VectorizedRunner:
         """
         if not isinstance(self.shards, LocalShards):
             raise ValueError(f"aggregator={self.config.aggregator!r} trains in this process: it cannot take shards > 1")
-        aggregator = aggregator_of(self.config)
+        reply = TRAIN_REPLIES[self.config.aggregator]  # the ClientApp's own reply, as it sends it
         arrays = global_model_of(messages[0])
         if any(global_model_of(m) != arrays for m in messages):
             raise ValueError(f"{self.config.aggregator}: the strategy sent different models in one round; "
@@ -168,10 +169,9 @@ class VectorizedRunner:
         shard = self.shards.shard
         work = shard.work(start, partitions, seeds, None)
         examples = shard.examples(partitions)
-        return [aggregator.reply(message, LocalWork(start, shard.trainer.unflatten(work.updates[k]), None,
-                                                    protocol.train_metrics(p, examples[k], work.mean_losses[k],
-                                                                           work.steps[k])),
-                                 self.config)
+        return [reply(message, LocalWork(start, shard.trainer.unflatten(work.updates[k]), None,
+                                         protocol.train_metrics(p, examples[k], work.mean_losses[k], work.steps[k])),
+                      self.config)
                 for k, (message, p) in enumerate(zip(messages, partitions, strict=True))]
 
     def close(self) -> None:
