@@ -19,7 +19,7 @@ from rich.table import Table
 
 from . import __version__, interrupts
 from .aggregators import aggregator_of
-from .choices import EXPORT_FORMATS
+from .choices import EXPORT_FORMATS, ExportFormat
 from .config import ConfigError, RunConfig, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local
 from .engines import DEFAULT_ENGINE, ENGINES, Engine, check_run, claim_run, engine_named
@@ -438,12 +438,12 @@ def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Pa
         return _interrupted(directory, config, code, "deploy-local")
 
 
-def export_command(results: Path, fmt: str, out: Path | None = None) -> int:
+def export_command(results: Path, fmt: ExportFormat, out: Path | None = None) -> int:
     """Export the final model of ``results`` (:func:`export_model`); print where it went."""
     from .export import ExportError, export_model  # torch
 
     try:
-        path = export_model(results, fmt, out)  # type: ignore[arg-type]
+        path = export_model(results, fmt, out)
     except ExportError as error:
         _error("export error", error)
         return 2

@@ -7,6 +7,7 @@ Thin by design: the work is in :mod:`fedhog.training` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -21,12 +22,13 @@ from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import third_order_vector
 from .dpsgd import RecordPrivacy, train_dpsgd
+from .flower_baseline import flower_dp_reply
 from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
 from .privacy.randomness import PrivacyRandomness, client_bits
 from .protocol import LocalWork
-from .replies import term_keyed_like, to_cpu
+from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu, train_reply
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
 from .secure_aggregation.graph import threshold_count
 from .training import (
@@ -71,18 +73,35 @@ def train(msg: Message, context: Context) -> Message:
                             client_guard(run_config_of(context)))
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
+    server_round = server_round_of(msg)
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
         model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
         return Message(RecordDict({
             protocol.UPDATE: ArrayRecord(to_cpu(update)),
-            protocol.METRICS: MetricRecord(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
+            protocol.METRICS: metric_record(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
-    aggregator = aggregator_of(config)  # fedhog's reply, or Flower's FedAvg reply (the flower-dp baseline)
-    work = _local_work(msg, config, partition_id, server_round, with_term=aggregator.wants_term(config))
-    return aggregator.reply(msg, work, config)
+    with_term = aggregator_of(config).takes_terms and config.privacy_mechanism.wants_term
+    work = _local_work(msg, config, partition_id, server_round, with_term=with_term)
+    return TRAIN_REPLIES[config.aggregator](msg, work, config)
+
+
+def _fedhog_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:
+    """Δ, t (when computed and finite) and the metrics, as :class:`~fedhog.replies.ReplyReader` reads them."""
+    return train_reply(msg, work)
+
+
+def _flower_dp_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:
+    """Flower's FedAvg reply: θ + η·Δ (the wrapper clips the change at η·C) and an equal weight."""
+    return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
+                           float(work.metrics[protocol.TRAIN_LOSS]))
+
+
+#: Each ``aggregator`` (:data:`fedhog.aggregators.AGGREGATOR_REGISTRY`) -> the ClientApp's reply to a train
+#: message, from the client's local work (the vectorized engine's batched replies too).
+TRAIN_REPLIES: dict[str, Callable[[Message, LocalWork, RunConfig], Message]] = {
+    "fedhog": _fedhog_reply, "flower-dp": _flower_dp_reply}
 
 
 def _load(msg: Message, config: RunConfig,
@@ -92,7 +111,7 @@ def _load(msg: Message, config: RunConfig,
     train_data, validation_data = load_client_data(config.data_spec, partition_id)
     model = build_model(config.model, *dataset_info(config.data_spec), config.activation,
                         config.normalization).to(device)
-    global_state = msg.content["arrays"].to_torch_state_dict()
+    global_state = global_model_of(msg).to_torch_state_dict()
     model.load_state_dict(global_state)
     return model, train_data, validation_data, {k: v.to(device) for k, v in global_state.items()}
 
@@ -143,9 +162,10 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     """
     config = run_config_of(context)
     partition_id = int(context.node_config["partition-id"])
-    server_round = int(msg.content["config"][protocol.SERVER_ROUND])
-    keys = list(msg.content["arrays"].keys())
-    mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in msg.content["arrays"].values()))
+    server_round = server_round_of(msg)
+    arrays = global_model_of(msg)
+    keys = list(arrays.keys())
+    mechanism = config.mechanism_for(sum(int(np.prod(a.shape)) for a in arrays.values()))
     work = _local_work(msg, config, partition_id, server_round, with_term=mechanism.wants_term)
     update = flatten(work.update, keys).detach().cpu()
     if not bool(torch.isfinite(update).all()):
@@ -176,7 +196,7 @@ def _train_with_dpsgd(model: torch.nn.Module, data: ArrayData, config: RunConfig
     Noise and batches come from OS entropy unless ``privacy-seed`` ≥ 0. The
     accountant file is named by the server's job id (see :mod:`fedhog.client_state`).
     """
-    path = accountant_path(state_dir(context.node_config), msg.content["config"].get(protocol.JOB_ID),
+    path = accountant_path(state_dir(context.node_config), msg.content.config_records["config"].get(protocol.JOB_ID),
                            partition_id)
     bits = client_bits(None if config.privacy_seed < 0 else config.privacy_seed, server_round, partition_id)
     _, privacy = train_dpsgd(model, data, config.local_epochs, config.batch_size, config.learning_rate,

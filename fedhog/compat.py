@@ -16,6 +16,9 @@ No other fedhog module imports a private Flower or Opacus name (the test scans).
   on push (Flower's ``Metadata`` has no setter; :mod:`fedhog.engines.inprocess`).
 - :func:`opacus_processed_flags`: Opacus' check that a clipped-gradient sum is not
   used twice, for fedhog's lattice-noise DP optimizer (:mod:`fedhog.dpsgd`).
+- :func:`partition_indices`: every client's rows as flwr-datasets' Dirichlet and
+  pathological partitioners assigned them, read without a ``Dataset.select`` per
+  client (:mod:`fedhog.data`; ≈ 2 ms each, 20 s of the quickstart's 10 000 clients).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ if TYPE_CHECKING:
     import torch
     from flwr.app import Message
 
-__all__ = ["opacus_processed_flags", "parse_compositions", "parse_config", "secaggplus_setup",
-           "secaggplus_share_keys", "secaggplus_unmask", "stamp_message", "validate_count", "validate_delta",
-           "validate_epsilon", "validate_positive_epsilon"]
+__all__ = ["opacus_processed_flags", "parse_compositions", "parse_config", "partition_indices",
+           "secaggplus_setup", "secaggplus_share_keys", "secaggplus_unmask", "stamp_message", "validate_count",
+           "validate_delta", "validate_epsilon", "validate_positive_epsilon"]
 
 
 def stamp_message(message: Message, message_id: str, run_id: int) -> None:
@@ -58,3 +61,13 @@ def opacus_processed_flags() -> tuple[Callable[[torch.Tensor], None], Callable[[
     from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
     return _check_processed_flag, _mark_as_processed
+
+
+def partition_indices(partitioner: object) -> list[list[int]] | None:
+    """Each partition's row indices, once a flwr-datasets partitioner has loaded one; None if it keeps none.
+
+    Dirichlet and pathological partitioners compute every partition on their first ``load_partition`` and keep
+    them in ``_partition_id_to_indices`` (flwr-datasets 0.6); the IID partitioner keeps nothing (None).
+    """
+    indices = getattr(partitioner, "_partition_id_to_indices", None)
+    return [indices[i] for i in range(len(indices))] if indices else None

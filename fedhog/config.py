@@ -49,6 +49,24 @@ from .choices import (
     TABULAR_FORMATS,
     TERM_MECHANISMS,
     TEST_METRICS,
+    AccountantName,
+    ActivationName,
+    AggregatorName,
+    ClientDp,
+    Device,
+    DpSgdAccountant,
+    DpSgdNoise,
+    HogDirection,
+    HogTerm,
+    LocalOptimizer,
+    MechanismName,
+    NoiseSource,
+    NormalizationName,
+    PartitionerName,
+    SamplingKind,
+    SecureAggregationMode,
+    ServerOptimizerKind,
+    ServerStepKind,
     is_factory,
 )
 from .data import DataSpec, validate_spec
@@ -69,12 +87,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a fedhog run depends on. Field ``x_y`` is config key ``x-y``."""
+    """Everything a fedhog run depends on. Field ``x_y`` is config key ``x-y``; a closed choice's field has its
+    ``Literal`` type (:mod:`fedhog.choices`), which :meth:`validate` makes true."""
 
     # data
     dataset: str = "mnist1d"
     num_samples: int = 20000
-    partitioner: str = "dirichlet"
+    partitioner: PartitionerName = "dirichlet"
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     validation_fraction: float = 0.1
@@ -87,31 +106,31 @@ class RunConfig:
     metrics: str = "accuracy"
     # model and local training
     model: str = "cnn1d"
-    activation: str = DEFAULT_ACTIVATION  # of the built-in models' hidden layers (fedhog.models.ACTIVATIONS)
-    normalization: str = DEFAULT_NORMALIZATION  # of the same layers (fedhog.models.NORMALIZATIONS)
+    activation: ActivationName = DEFAULT_ACTIVATION  # of the built-in models' hidden layers (fedhog.models.ACTIVATIONS)
+    normalization: NormalizationName = DEFAULT_NORMALIZATION  # of the same layers (fedhog.models.NORMALIZATIONS)
     local_epochs: int = 1
     batch_size: int = 16
     learning_rate: float = 0.05
     momentum: float = 0.0
-    optimizer: str = "sgd"
-    device: str = "auto"
+    optimizer: LocalOptimizer = "sgd"
+    device: Device = "auto"
     # federation
     rounds: int = 30
-    sampling: str = "poisson"
+    sampling: SamplingKind = "poisson"
     sampling_rate: float = 0.1
     server_learning_rate: float = 1.0
-    server_optimizer: str = "sgd"
+    server_optimizer: ServerOptimizerKind = "sgd"
     server_momentum: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
-    server_step: str = "none"
+    server_step: ServerStepKind = "none"
     server_step_max: float = 4.0
     round_timeout: float = 600.0
     max_update_norm: float = math.inf
     shards: int = 1  # the vectorized engine's workers (fedhog.engines.shards): 1 in this process, more on Ray
     # privacy
-    aggregator: str = "fedhog"
-    mechanism: str = "hog"
+    aggregator: AggregatorName = "fedhog"
+    mechanism: MechanismName = "hog"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
     target_epsilon: float = 0.0
@@ -120,23 +139,23 @@ class RunConfig:
     target_quantile: float = 0.5
     clipping_learning_rate: float = 0.2
     count_noise_std: float = -1.0
-    hog_direction: str = "random"
-    hog_term: str = "third-order"
+    hog_direction: HogDirection = "random"
+    hog_term: HogTerm = "third-order"
     hog_batch_size: int = 32
-    accountant: str = "pld"
+    accountant: AccountantName = "pld"
     delta: float = 1e-5
     max_epsilon: float = math.inf
-    client_dp: str = "none"
+    client_dp: ClientDp = "none"
     dpsgd_noise_multiplier: float = 1.0
     dpsgd_max_grad_norm: float = 1.0
     dpsgd_delta: float = 1e-5
-    dpsgd_accountant: str = "prv"
-    dpsgd_noise: str = "fedhog"
-    secure_aggregation: str = "off"
+    dpsgd_accountant: DpSgdAccountant = "prv"
+    dpsgd_noise: DpSgdNoise = "fedhog"
+    secure_aggregation: SecureAggregationMode = "off"
     secagg_num_shares: int = 0
     secagg_threshold: float = 0.66
     secagg_modulus_bits: int = 32
-    noise: str = "central"
+    noise: NoiseSource = "central"
     # reproducibility and output
     seed: int = 0
     privacy_seed: int = -1
@@ -195,13 +214,17 @@ class RunConfig:
         mechanism with the clients' noise shares (their plan, :meth:`secure_plan`, needs the model's dimension d)."""
         if self.noise != "distributed":
             return self.privacy_mechanism
-        return self.privacy_mechanism.with_client_noise(self.secure_plan(dimension)[1])
+        from .secure_aggregation.distributed_noise import DistributedGaussian  # torch
+
+        return DistributedGaussian(self.privacy_mechanism, self.distributed_noise(dimension))
 
     @property
     def adaptive_clipping_settings(self) -> AdaptiveClippingSettings | None:
         """Adaptive clipping starting at ``clipping-norm``, or None when off."""
-        if not self.adaptive_clipping:
-            return None
+        return self._adaptive_clipping() if self.adaptive_clipping else None
+
+    def _adaptive_clipping(self) -> AdaptiveClippingSettings:
+        """The adaptive clipping the ``adaptive-clipping`` keys describe, whether it is on or not."""
         from .privacy.adaptive_clipping import AdaptiveClippingSettings, default_count_noise_std  # torch
 
         count_std = default_count_noise_std(self.expected_cohort) if self.count_noise_std < 0 else self.count_noise_std
@@ -256,6 +279,17 @@ class RunConfig:
 
         if self.noise != "distributed":
             return ModularLattice.for_cohort(self.clipping_norm, self.largest_cohort, self.secagg_modulus_bits), None
+        noise = self.distributed_noise(dimension)
+        return noise.lattice, noise
+
+    def distributed_noise(self, dimension: int) -> DistributedNoise:
+        """The clients' noise plan of ``noise = "distributed"`` (:meth:`secure_plan`'s second half), with its lattice.
+
+        Raises
+        ------
+        ConfigError
+            As :meth:`secure_plan` says.
+        """
         from .secure_aggregation.distributed_noise import plan_distributed_noise  # dp_accounting, scipy
 
         def plan(bits: int) -> DistributedNoise:
@@ -264,7 +298,7 @@ class RunConfig:
                                           self.noise_multiplier)
 
         try:
-            noise = plan(self.secagg_modulus_bits)
+            return plan(self.secagg_modulus_bits)
         except ValueError as error:
             needed = next((b for b in range(self.secagg_modulus_bits + 1, MAX_MODULUS_BITS + 1)
                            if _plans(plan, b)), None)
@@ -273,7 +307,6 @@ class RunConfig:
                 f"of {dimension} parameters: {error}; expected "
                 + (f"≥ {needed} bits" if needed else f"at most {MAX_MODULUS_BITS} bits, which do not suffice either")
             ) from None
-        return noise.lattice, noise
 
     # --- validation --------------------------------------------------------
     def validate(self) -> None:
@@ -396,7 +429,11 @@ class RunConfig:
         """
         if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
             return self
-        return dataclasses.replace(self, noise_multiplier=aggregator_of(self).calibrate(self))
+        sigma = aggregator_of(self).calibrate(
+            target_epsilon=self.target_epsilon, delta=self.delta, rounds=self.rounds, sampling=self.sampling,
+            sampling_rate=self.sampling_rate, population=self.population, accountant=self.accountant,
+            expected_cohort=self.expected_cohort)
+        return dataclasses.replace(self, noise_multiplier=sigma)
 
     def _validate_aggregator(self) -> None:
         """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""
@@ -463,7 +500,7 @@ class RunConfig:
         _check("count-noise-std", self.count_noise_std,
                self.count_noise_std == -1 or (math.isfinite(self.count_noise_std) and self.count_noise_std >= 0),
                "-1 (expected cohort / 20) or a finite number ≥ 0")
-        count_std = self.adaptive_clipping_settings.count_noise_std
+        count_std = self._adaptive_clipping().count_noise_std
         if self.noise_multiplier > 0 and not count_std > self.noise_multiplier / 2:
             raise ConfigError(f"count-noise-std={self.count_noise_std!r} (σ_b = {count_std:g}) must exceed "
                               f"noise-multiplier/2 = {self.noise_multiplier / 2:g}; raise it or lower noise-multiplier")

@@ -68,7 +68,7 @@ def weight_diagnostics(initial: Mapping[str, torch.Tensor], current: Mapping[str
     left out without noise too (``noise_std`` 0 or NaN).
     """
     out: dict[str, float] = {}
-    with_walk = momentum is not None and noise_std > 0 and math.isfinite(noise_std)
+    noised = noise_std > 0 and math.isfinite(noise_std)
     for name, weight in current.items():
         if not is_weight(name, weight):
             continue
@@ -76,9 +76,9 @@ def weight_diagnostics(initial: Mapping[str, torch.Tensor], current: Mapping[str
         norm, start_norm = float(weight.norm()), float(start.norm())
         out[f"norm/{name}"] = norm
         out[f"growth/{name}"] = norm / start_norm if start_norm > 0 else math.inf
-        if with_walk:
+        if noised and momentum is not None:
             moved = float((weight - start).norm())
-            walk = noise_walk_length(noise_std, weight.numel(), rounds, learning_rate, momentum)  # type: ignore[arg-type]
+            walk = noise_walk_length(noise_std, weight.numel(), rounds, learning_rate, momentum)
             out[f"walk/{name}"] = walk / moved if moved > 0 else math.inf
     return out
 

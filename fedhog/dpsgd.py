@@ -50,14 +50,10 @@ import torch
 from torch import nn
 
 from .data import ArrayData
-from .privacy.mechanism import (
-    MAX_CONTRIBUTIONS,
-    MAX_TAIL_DELTA_SHARE,
-    GaussianMechanism,
-    NoiseLattice,
-    sampler_slack,
-)
+from .privacy.lattice import MAX_CONTRIBUTIONS, NoiseLattice
+from .privacy.mechanism import GaussianMechanism
 from .privacy.randomness import RandomBits, lattice_gaussian, uniform
+from .privacy.sampler_slack import MAX_TAIL_DELTA_SHARE, sampler_slack
 from .settings import DpSgdSettings
 from .settings import dpsgd_error as _reject
 from .settings import is_number as _is_number

@@ -14,12 +14,12 @@ import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from .choices import EXPORT_FORMATS as FORMATS
+from .choices import ExportFormat
 from .config import RunConfig, load_config, read_toml
 from .data import dataset_info
 from .files import atomic_write
@@ -86,7 +86,7 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
 
 def export_model(
     results_dir: Path,
-    fmt: Literal["torchscript", "state-dict"] = "torchscript",
+    fmt: ExportFormat = "torchscript",
     out: Path | None = None,
 ) -> Path:
     """Write the final model of ``results_dir`` as TorchScript or as a state dict; return the file.

@@ -37,6 +37,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from . import protocol
 from .config import RunConfig
 from .privacy.calibration import unamplified_privacy_config
+from .replies import metric_record
 from .strategy import RoundRecord
 
 REPLY_KEY = protocol.WEIGHTS  # the client's θ + η·Δ, the one ArrayRecord FedAvg accepts
@@ -47,7 +48,7 @@ def flower_dp_reply(msg: Message, global_state: dict[str, torch.Tensor], update:
     """A client's FedAvg reply: θ + η·Δ (the wrapper clips the change at η·C) and an equal weight."""
     arrays = {k: (global_state[k] + server_learning_rate * delta).detach().cpu().contiguous()
               for k, delta in update.items()}
-    metrics = MetricRecord(protocol.fedavg_metrics(train_loss))
+    metrics = metric_record(protocol.fedavg_metrics(train_loss))
     return Message(RecordDict({REPLY_KEY: ArrayRecord(arrays), protocol.METRICS: metrics}), reply_to=msg)
 
 
@@ -96,6 +97,8 @@ def run_flower_dp(
     train_metrics: list[MetricRecord] = []
     strategy = build_flower_dp_strategy(config, train_metrics.append)
     accountant = strategy.accountant
+    if accountant is None:  # build_flower_dp_strategy gives the wrapper one
+        raise RuntimeError("the flower-dp baseline's wrapper has no accountant")
     cohort = config.expected_cohort
     latest = initial
     releases = 0
@@ -110,7 +113,9 @@ def run_flower_dp(
         released = spent.num_releases > releases
         releases = spent.num_releases
         metrics = evaluate_fn(server_round, arrays)
-        train_loss = train_metrics.pop()[protocol.TRAIN_LOSS] if train_metrics and released else math.nan
+        # the clients' mean train-loss (a number unless some client sent a list: then, and without one, NaN)
+        loss = train_metrics.pop().get(protocol.TRAIN_LOSS) if train_metrics and released else None
+        train_loss = float(loss) if protocol.is_number(loss) else math.nan
         train_metrics.clear()
         # everything since the last round's record: that round's diagnostics and writes included
         seconds, started = (now := time.perf_counter()) - started, now

@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeGuard
 
 if TYPE_CHECKING:
     import torch
@@ -52,9 +52,19 @@ THIRD_ORDER_FINITE = "third-order-finite"
 DPSGD_EPSILON = "dpsgd-epsilon"  # client-dp = "dpsgd": the client's record-level ε so far
 FEDAVG_WEIGHT = "fedavg-weight"  # the flower-dp baseline's reply: every client weighs 1 (accounted FedAvg)
 UNMEASURED = -1.0  # a loss or accuracy that is not finite travels as this
+# the metrics of a reply the server reads as numbers (NUM_EXAMPLES, an integer, is checked on its own): a list there
+# makes the reply malformed
+NUMBER_METRICS = (TRAIN_LOSS, THIRD_ORDER_SECONDS, THIRD_ORDER_FINITE, DPSGD_EPSILON)
+
+MetricValue = int | float | list[int] | list[float]  # what a MetricRecord holds (Flower's MetricRecordValues)
 
 # secure aggregation (SecAgg+): a collect-stage reply carries only the masked vector, mod 2^bits
 MASKED = "masked-contribution"
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or a float (not a bool, not a list): what a metric read as a number must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def measured(value: float) -> float:
@@ -111,7 +121,7 @@ class ClientResult:
     slot: int
     update: torch.Tensor
     term: torch.Tensor | None
-    metrics: Mapping[str, Any]
+    metrics: Mapping[str, MetricValue]
 
 
 class Rejection(StrEnum):

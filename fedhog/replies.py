@@ -35,7 +35,8 @@ from flwr.serverapp import Grid
 from . import protocol
 from .layout import flatten_record
 from .monitoring import reply_nbytes
-from .privacy.mechanism import Contribution, Mechanism, NoiseLattice, norms_of, rows_per_pass
+from .privacy.lattice import NoiseLattice
+from .privacy.mechanism import Contribution, Mechanism, norms_of, rows_per_pass, stack_terms
 from .protocol import BadReply, ClientResult, Rejection
 
 
@@ -73,8 +74,15 @@ def train_reply(msg: Message, work: protocol.LocalWork) -> Message:
     records = RecordDict({protocol.UPDATE: ArrayRecord(to_cpu(work.update))})
     if work.term is not None:
         records[protocol.TERM] = ArrayRecord(to_cpu(term_keyed_like(work.term, work.update)))
-    records[protocol.METRICS] = MetricRecord(work.metrics)
+    records[protocol.METRICS] = metric_record(work.metrics)
     return Message(records, reply_to=msg)
+
+
+def metric_record(values: Mapping[str, int | float]) -> MetricRecord:
+    """Numbers as a MetricRecord (whose constructor wants a dict of all its value types, lists too)."""
+    record = MetricRecord()
+    record.update(values)
+    return record
 
 
 def term_keyed_like(term: dict[str, torch.Tensor], update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,9 +123,9 @@ class ReplyCheck:
         whole cohort in a few batched passes (:func:`~fedhog.privacy.mechanism.norms_of`).
         """
         update_norms, updates_finite = norms_of([r.update for r in results])
-        with_terms = [r for r in results if self.wants_term and r.term is not None]
-        term_norms, terms_finite = norms_of([r.term for r in with_terms])
-        term_check = {id(r): (n, f) for r, n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
+        with_terms = [(r, r.term) for r in results if self.wants_term and r.term is not None]
+        term_norms, terms_finite = norms_of([term for _, term in with_terms])
+        term_check = {id(r): (n, f) for (r, _), n, f in zip(with_terms, term_norms, terms_finite, strict=True)}
         verdicts: list[Contribution | BadReply] = []
         for result, norm, finite in zip(results, update_norms, updates_finite, strict=True):
             try:
@@ -131,9 +139,13 @@ class ReplyCheck:
         metrics = result.metrics
         weight = 1
         if not self.equal_weights:
-            weight = metrics.get(protocol.NUM_EXAMPLES)
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise BadReply(Rejection.MALFORMED, f"num-examples={weight!r}")
+            count = metrics.get(protocol.NUM_EXAMPLES)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise BadReply(Rejection.MALFORMED, f"num-examples={count!r}")
+            weight = count
+        for key in protocol.NUMBER_METRICS:
+            if key in metrics and not protocol.is_number(metrics[key]):
+                raise BadReply(Rejection.MALFORMED, f"{key}={metrics[key]!r} is not a number")
         if not finite:
             raise BadReply(Rejection.NON_FINITE_VALUES, f"'{protocol.UPDATE}' holds NaN or inf")
         if not norm <= self.max_update_norm:
@@ -182,7 +194,7 @@ class ReducedContribution:
     norm_before_clip: float  # ‖u_i‖ before clipping: private, for adaptive clipping and the round's mean only
     clipped: bool
     mixing_ratio: float  # NaN: not mixed
-    metrics: Mapping[str, object]
+    metrics: Mapping[str, protocol.MetricValue]
 
 
 @dataclass
@@ -221,7 +233,7 @@ def reduce_results(results: Sequence[ClientResult], plan: ReductionPlan, bytes_r
     step = rows_per_pass(plan.dimension)
     for start in range(0, len(accepted), step):
         chunk = accepted[start:start + step]
-        terms = torch.stack([c.term for _, c in chunk]) if plan.mechanism.wants_term else None
+        terms = stack_terms([c for _, c in chunk]) if plan.mechanism.wants_term else None
         xis = torch.tensor([plan.xis[r.slot] for r, _ in chunk], dtype=torch.float64)
         rows, stats = plan.mechanism.constrain_sensitivity(torch.stack([c.update for _, c in chunk]), terms, xis)
         out.lattice_sum += lattice.quantize(rows).sum(dim=0)
@@ -245,6 +257,19 @@ def train_messages(request: TrainRequest) -> list[Message]:
     """One train message per node of the cohort: the global model and the config."""
     record = RecordDict({"arrays": request.arrays, "config": request.config})
     return [Message(record, dst_node_id=node, message_type=MessageType.TRAIN) for node in request.cohort]
+
+
+def global_model_of(msg: Message) -> ArrayRecord:
+    """A train instruction's global model (as :func:`train_messages` sends it)."""
+    return msg.content.array_records["arrays"]
+
+
+def server_round_of(msg: Message) -> int:
+    """A train instruction's round number (ValueError if it holds no integer one)."""
+    value = msg.content.config_records["config"][protocol.SERVER_ROUND]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{protocol.SERVER_ROUND}={value!r} is not allowed; expected an integer")
+    return value
 
 
 class MessageRunner:
@@ -322,7 +347,7 @@ class ReplyReader:
     def _check_sender(self, reply: Message, seen: set[int]) -> int:
         node = reply.metadata.src_node_id
         if reply.has_error():
-            raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
+            raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason or f"error code {reply.error.code}")
         if node not in self.cohort:
             raise BadReply(Rejection.NOT_SAMPLED, "the node was not in this round's cohort")
         if node in seen:
@@ -333,10 +358,11 @@ class ReplyReader:
 
 def _read_metrics(content: RecordDict) -> MetricRecord:
     """The reply's MetricRecord: ``metrics``, or the only one it holds, whatever its name."""
-    if protocol.METRICS in content.metric_records:
-        return content[protocol.METRICS]
-    if len(content.metric_records) == 1:
-        return next(iter(content.metric_records.values()))
+    records = content.metric_records
+    if protocol.METRICS in records:
+        return records[protocol.METRICS]
+    if len(records) == 1:
+        return next(iter(records.values()))
     raise BadReply(Rejection.MALFORMED, f"no MetricRecord '{protocol.METRICS}'")
 
 
@@ -344,7 +370,7 @@ def read_like(content: RecordDict, key: str, reference: ArrayRecord) -> torch.Te
     """The ArrayRecord ``key`` flattened, if its keys, shapes and dtypes match ``reference`` exactly."""
     if key not in content.array_records:
         raise BadReply(Rejection.MALFORMED, f"no ArrayRecord '{key}'")
-    record = content[key]
+    record = content.array_records[key]
     if list(record.keys()) != list(reference.keys()):
         raise BadReply(Rejection.WRONG_KEYS, f"'{key}' has {list(record.keys())[:4]}...")
     for name in reference:

@@ -32,7 +32,7 @@ from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .protocol import JOB_ID, Rejection
-from .replies import runner_for
+from .replies import metric_record, runner_for
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .server_step import ProxyStepLength
@@ -49,7 +49,7 @@ DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is count
 
 @dataclass(frozen=True)
 class ServerRun:
-    """What the ServerApp hands its aggregator's rounds (:meth:`fedhog.aggregators.Aggregator.serve`)."""
+    """What the ServerApp hands its aggregator's rounds (:data:`SERVERS`)."""
 
     writer: ResultsWriter
     monitor: ServerMetrics
@@ -78,11 +78,11 @@ def build_strategy(config: RunConfig, dimension: int = 0) -> SecureAggregator:
         lattice, noise = config.secure_plan(dimension)
         secure = SecAggSettings(config.secagg_num_shares, config.secagg_threshold, lattice, config.clipping_norm,
                                 noise)
-    accountant = mechanism.accountant(config.sampling, config.sampling_rate,  # type: ignore[arg-type]
+    accountant = mechanism.accountant(config.sampling, config.sampling_rate,
                                       config.population, config.delta, config.accountant)
     randomness = PrivacyRandomness(None if config.privacy_seed < 0 else config.privacy_seed)
     adaptive = config.adaptive_clipping_settings
-    return SecureAggregator(mechanism, accountant, randomness, config.sampling,  # type: ignore[arg-type]
+    return SecureAggregator(mechanism, accountant, randomness, config.sampling,
                             config.sampling_rate, config.server_optimizer_settings, config.max_epsilon,
                             None if adaptive is None else AdaptiveClipping(adaptive, config.noise_multiplier),
                             config.max_update_norm, equal_weights=config.client_dp == "dpsgd",
@@ -169,7 +169,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
             if len(validation_set):
                 held = evaluate_metrics(evaluated, validation_set)
                 metrics["validation-loss"], metrics["validation-accuracy"] = held["loss"], held["accuracy"]
-            return MetricRecord(metrics)
+            return metric_record(metrics)
 
         return evaluate_fn
 
@@ -206,7 +206,7 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         baseline = evaluate_fn(0, initial)
         writer.update(initial=dict(baseline))
         # behind the rounds (vectorized engine) the writer thread evaluates, with a model of its own
-        arrays, epsilon = aggregator.serve(grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
+        arrays, epsilon = SERVERS[config.aggregator](grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
                                                                    evaluate_with(copy.deepcopy(model)), checkpoint,
                                                                    diagnose))
     except BaseException as error:
@@ -265,20 +265,21 @@ def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tupl
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        state = {"model": arrays.to_torch_state_dict(),  # fresh tensors, read from the record's bytes: no copy
-                 **copy.deepcopy({"accountant": strategy.accountant.state_dict(),
-                                  "server_optimizer": strategy.server_optimizer.state_dict(),
-                                  "adaptive_clipping": None if strategy.adaptive_clipping is None
-                                  else strategy.adaptive_clipping.state_dict()})}
+        model = arrays.to_torch_state_dict()  # fresh tensors, read from the record's bytes: no copy
+        accountant, server_optimizer, adaptive_clipping = copy.deepcopy((
+            strategy.accountant.state_dict(), strategy.server_optimizer.state_dict(),
+            None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
         shown, client_metrics, logged = copy.deepcopy(record), list(strategy.client_metrics), len(rows)
 
         def write() -> None:
             if behind:
-                shown.take_evaluation(evaluate_behind(shown.round, ArrayRecord(state["model"])))
+                shown.take_evaluation(evaluate_behind(shown.round, ArrayRecord(model)))
             # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
             # is written after it, so a resume never releases again a round that anyone has seen
-            save_checkpoint(writer.directory, Checkpoint(round=shown.round, rounds=[dataclasses.asdict(shown)],
-                                                         rounds_logged=logged, job_id=job_id, **state))
+            save_checkpoint(writer.directory, Checkpoint(
+                round=shown.round, model=model, accountant=accountant, rounds=[dataclasses.asdict(shown)],
+                adaptive_clipping=adaptive_clipping, job_id=job_id, server_optimizer=server_optimizer,
+                rounds_logged=logged))
             if writer.add_round(shown):
                 monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)
             monitor.observe_round(shown, client_metrics)
@@ -368,6 +369,12 @@ def run_flower_baseline(grid: Grid, config: RunConfig, run: ServerRun) -> tuple[
                                           randomness="Flower's: NumPy's global generator (Mersenne Twister, "
                                           "not for deployment)"))
     return run_flower_dp(grid, config, run.initial, run.evaluate_fn, on_round)
+
+
+#: Each ``aggregator`` (:data:`fedhog.aggregators.AGGREGATOR_REGISTRY`) -> the ServerApp's rounds for it, on a grid,
+#: after σ is calibrated and the initial model evaluated: the final model and ε.
+SERVERS: dict[str, Callable[[Grid, RunConfig, ServerRun], tuple[ArrayRecord, float]]] = {
+    "fedhog": run_secure_aggregator, "flower-dp": run_flower_baseline}
 
 
 def _secure_aggregation_record(config: RunConfig, settings: SecAggSettings | None) -> dict[str, object]:

@@ -6,7 +6,6 @@ trust, what to release); the mathematics lives in :mod:`fedhog.privacy`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,17 +24,12 @@ from . import protocol
 from .layout import flatten_record, unflatten_like
 from .privacy.accounting import Accountant
 from .privacy.adaptive_clipping import AdaptiveClipping
-from .privacy.mechanism import (
-    MAX_CONTRIBUTIONS,
-    MAX_TAIL_DELTA_SHARE,
-    AggregateStats,
-    Contribution,
-    Mechanism,
-    NoiseLattice,
-)
+from .privacy.lattice import MAX_CONTRIBUTIONS, NoiseLattice
+from .privacy.mechanism import AggregateStats, Contribution, Mechanism
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
+from .privacy.sampler_slack import MAX_TAIL_DELTA_SHARE
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
-from .protocol import BadReply, ClientResult, Rejection
+from .protocol import BadReply, ClientResult, MetricValue, Rejection
 from .replies import (
     CohortReplies,
     CohortRunner,
@@ -179,13 +173,38 @@ class SecureAggregator(Strategy):
         self._cohort: dict[int, int] = {}  # node id -> slot, for this round's cohort
         self._round_randomness: RoundRandomness | None = None  # this round's streams, dropped once it is released
         self.current: RoundRecord | None = None
-        self.client_metrics: list[dict] = []  # MetricRecords of the last round's accepted replies
+        self.client_metrics: list[dict[str, MetricValue]] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
 
     def __repr__(self) -> str:
         return (f"SecureAggregator(mechanism={self.mechanism!r}, sampling={self.sampling!r}, q={self.sampling_rate}, "
                 f"server={self.server_optimizer!r}, max_epsilon={self.max_epsilon}, "
                 f"secure_aggregation={self.secure_aggregation!r})")
+
+    @property
+    def round_record(self) -> RoundRecord:
+        """The record of the round in progress (from :meth:`begin_round` on)."""
+        if self.current is None:
+            raise RuntimeError("no round in progress: begin_round first")
+        return self.current
+
+    @property
+    def global_model(self) -> ArrayRecord:
+        """The round's global model (from :meth:`begin_round` on)."""
+        if self._global is None:
+            raise RuntimeError("no round in progress: begin_round first")
+        return self._global
+
+    def _round_streams(self) -> RoundRandomness:
+        """This round's private streams, while the round has not released."""
+        if self._round_randomness is None:
+            raise RuntimeError("this round's randomness is gone: it has released, or never began")
+        return self._round_randomness
+
+    def _take_round_streams(self) -> RoundRandomness:
+        """This round's private streams, dropped from the strategy: a round releases once."""
+        randomness, self._round_randomness = self._round_streams(), None
+        return randomness
 
     def summary(self) -> None:
         """Log the settings and the privacy status at start."""
@@ -257,8 +276,9 @@ class SecureAggregator(Strategy):
             messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
             mapping = {}
             for reply in grid.send_and_receive(messages, timeout=timeout):
-                if not reply.has_error():
-                    mapping[reply.metadata.src_node_id] = int(reply.content[protocol.METRICS][protocol.PARTITION_ID])
+                partition = None if reply.has_error() else _partition_id(reply.content)
+                if partition is not None:  # else the node counts as not answering
+                    mapping[reply.metadata.src_node_id] = partition
         if sorted(mapping.values()) != list(range(population)):
             raise RuntimeError(_population_mismatch(
                 population, f"the {len(mapping)} nodes that answered hold {len(set(mapping.values()))} "
@@ -298,13 +318,13 @@ class SecureAggregator(Strategy):
         return TrainRequest(server_round, arrays, config, cohort, self.mechanism.wants_term, timeout)
 
     def _reader(self) -> ReplyReader:
-        return ReplyReader(self._global, self._cohort, self.mechanism.wants_term)
+        return ReplyReader(self.global_model, self._cohort, self.mechanism.wants_term)
 
     def finish_replies(
         self, server_round: int, replies: CohortReplies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Count the replies refused on arrival and the bytes received, then :meth:`finish_round`."""
-        self.current.bytes_received += replies.bytes_received
+        self.round_record.bytes_received += replies.bytes_received
         for sender, error in replies.refused:
             self._count_rejection(server_round, sender, error)
         return self.finish_round(server_round, replies.results)
@@ -317,9 +337,9 @@ class SecureAggregator(Strategy):
         Every engine ends a trusted-server round here, with the results its
         :class:`~fedhog.replies.CohortRunner` delivered.
         """
-        record = self.current
+        record = self.round_record
         results = list(results)
-        contributions: list[tuple[int, Contribution, Mapping[str, Any]]] = []
+        contributions: list[tuple[int, Contribution, Mapping[str, MetricValue]]] = []
         for result, verdict in zip(results, self._validate(results), strict=True):
             if isinstance(verdict, BadReply):
                 self._count_rejection(server_round, f"slot {result.slot}", verdict)
@@ -330,8 +350,8 @@ class SecureAggregator(Strategy):
         if record.clients_sampled and not contributions and self.mechanism.clips:
             self._note_empty_round(server_round)
 
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         mechanism = self._round_mechanism()
         # One ξ per slot of the population: a client's ξ does not depend on who else replied.
@@ -347,8 +367,8 @@ class SecureAggregator(Strategy):
         """The mechanism of this round: with adaptive clipping, its current C and the update's σ."""
         if self.adaptive_clipping is None:
             return self.mechanism
-        return dataclasses.replace(self.mechanism, clipping_norm=self.adaptive_clipping.clipping_norm,
-                                   noise_multiplier=self.adaptive_clipping.update_noise_multiplier)
+        return self.mechanism.with_clipping(self.adaptive_clipping.clipping_norm,
+                                            self.adaptive_clipping.update_noise_multiplier)
 
     def reduction_plan(self) -> ReductionPlan:
         """What a :class:`~fedhog.replies.ReducingRunner` needs for this round's cohort (after :meth:`begin_round`)."""
@@ -356,8 +376,8 @@ class SecureAggregator(Strategy):
             raise ValueError(f"{len(self._cohort)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         mechanism = self._round_mechanism()
         slots = list(self._cohort.values())  # ξ drawn before training: the mixing stream is the round's own
-        xis = mechanism.xis(self._round_randomness.mixing, len(self.slot_of_node), slots)
-        dimension = sum(int(np.prod(a.shape)) for a in self._global.values())
+        xis = mechanism.xis(self._round_streams().mixing, len(self.slot_of_node), slots)
+        dimension = sum(int(np.prod(a.shape)) for a in self.global_model.values())
         return ReductionPlan(self.reply_check, mechanism, dict(zip(slots, map(float, xis), strict=True)), dimension)
 
     def finish_reduced(self, server_round: int, reduced: ReducedCohort,
@@ -367,7 +387,7 @@ class SecureAggregator(Strategy):
         The same release as :meth:`finish_round` on the same results: the same checks, the
         same exact sum, the same noise, statistics over the accepted contributions in slot order.
         """
-        record = self.current
+        record = self.round_record
         record.bytes_received += reduced.bytes_received
         for slot, error in sorted(reduced.refused, key=lambda item: item[0]):
             self._count_rejection(server_round, f"slot {slot}", error)
@@ -375,8 +395,8 @@ class SecureAggregator(Strategy):
         record.clients_accepted = len(accepted)
         if record.clients_sampled and not accepted:
             self._note_empty_round(server_round)
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         noisy_sum, sum_std = plan.mechanism.add_noise(reduced.lattice_sum, plan.lattice, randomness.noise,
                                                       len(accepted))
@@ -390,9 +410,9 @@ class SecureAggregator(Strategy):
 
     def _release(self, server_round: int, flat_global: torch.Tensor, averaged: torch.Tensor,
                  stats: AggregateStats, mechanism: Mechanism, randomness: RoundRandomness,
-                 client_metrics: list[Mapping[str, Any]]) -> tuple[ArrayRecord, MetricRecord]:
+                 client_metrics: list[Mapping[str, MetricValue]]) -> tuple[ArrayRecord, MetricRecord]:
         """Adaptive clipping's step, the accountant's event, the server step, and the round's record."""
-        record = self.current
+        record = self.round_record
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
         record.clipping_norm = mechanism.clipping_norm
         if self.adaptive_clipping is not None:
@@ -406,14 +426,13 @@ class SecureAggregator(Strategy):
         record.noise_std = stats.noise_std
         record.mean_mixing_ratio = stats.mean_mixing_ratio
         self.client_metrics = [dict(m) for m in client_metrics]
-        losses = [m[protocol.TRAIN_LOSS] for m in client_metrics
-                  if m.get(protocol.TRAIN_LOSS, protocol.UNMEASURED) >= 0]  # optional, informational
+        losses = [v for v in _numbers(client_metrics, protocol.TRAIN_LOSS) if v >= 0]  # optional, informational
         record.train_loss = float(np.mean(losses)) if losses else math.nan
-        record_epsilons = [m[protocol.DPSGD_EPSILON] for m in client_metrics if protocol.DPSGD_EPSILON in m]
+        record_epsilons = _numbers(client_metrics, protocol.DPSGD_EPSILON)
         record.sample_level_epsilon_max = max(record_epsilons) if record_epsilons else math.nan
-        seconds = [m[protocol.THIRD_ORDER_SECONDS] for m in client_metrics if protocol.THIRD_ORDER_SECONDS in m]
+        seconds = _numbers(client_metrics, protocol.THIRD_ORDER_SECONDS)
         record.third_order_seconds_max = max(seconds) if seconds else math.nan
-        return unflatten_like(new_flat, self._global), MetricRecord(
+        return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected}
         )
@@ -435,7 +454,7 @@ class SecureAggregator(Strategy):
         every sampled client raised, is an operational decision the accountant
         does not cover: it discloses that the federation failed).
         """
-        record = self.current
+        record = self.round_record
         rejected = ", ".join(f"{kind} ×{count}" for kind, count in sorted(record.rejections.items()))
         record.failure = (f"no accepted contribution ({record.clients_sampled} sampled, "
                           + (f"rejected: {rejected}" if rejected else "no reply arrived")
@@ -450,14 +469,17 @@ class SecureAggregator(Strategy):
         vectors (uniform mod M), then their sum. A round that cannot be
         unmasked releases nothing and spends no ε; ``failure`` says why.
         """
+        settings = self.secure_aggregation
+        if settings is None:
+            raise RuntimeError("secure_round needs the strategy's secure_aggregation settings")
         cohort = self.begin_round(server_round, arrays)
         config[protocol.SERVER_ROUND] = server_round
-        record = self.current
+        record = self.round_record
         dimension = sum(int(np.prod(a.shape)) for a in arrays.values())
         watch = _WeightsWatch(grid)
         try:
             result = secure_sum(watch, sorted(cohort), RecordDict({"arrays": arrays, "config": config}), dimension,
-                                self.secure_aggregation, timeout, group_id=str(server_round))
+                                settings, timeout, group_id=str(server_round))
         except SecureAggregationFailed as error:
             for sender, reason in watch.reasons(error.dropped).items():
                 self._count_rejection(server_round, sender, reason)
@@ -478,14 +500,14 @@ class SecureAggregator(Strategy):
         With distributed noise the unmasked sum carries its contributors' noise
         and the mechanism releases it as it is: g·S/K.
         """
-        record = self.current
+        record = self.round_record
         for sender, reason in result.dropped.items():
             self._count_rejection(server_round, sender, reason)
         record.bytes_received += result.bytes_received
         record.clients_accepted = result.contributors
         record.clipping_norm = self.mechanism.clipping_norm
-        flat_global = flatten_record(self._global)
-        randomness, self._round_randomness = self._round_randomness, None
+        flat_global = flatten_record(self.global_model)
+        randomness = self._take_round_streams()
         noisy_sum, sum_std = self.mechanism.add_noise(result.levels, result.lattice.noise_lattice(flat_global.numel()),
                                                       randomness.noise, result.contributors)
         expected_cohort = expected_cohort_size(len(self.slot_of_node), self.sampling_rate)
@@ -494,7 +516,7 @@ class SecureAggregator(Strategy):
                                      record)
         record.epsilon = self.accountant.epsilon()
         record.noise_std = sum_std / expected_cohort
-        return unflatten_like(new_flat, self._global), MetricRecord(
+        return unflatten_like(new_flat, self.global_model), MetricRecord(
             {"epsilon": record.epsilon, "clients-accepted": record.clients_accepted,
              "clients-rejected": record.clients_rejected})
 
@@ -509,7 +531,7 @@ class SecureAggregator(Strategy):
         return new_flat
 
     def _count_rejection(self, server_round: int, sender: str, error: BadReply) -> None:
-        record = self.current
+        record = self.round_record
         kind = error.kind.value  # a plain str: records are written to metrics.json and checkpoints
         record.clients_rejected += 1
         record.rejections[kind] = record.rejections.get(kind, 0) + 1
@@ -579,7 +601,7 @@ class SecureAggregator(Strategy):
                 f"noise multiplier {self.accountant.noise_multiplier:g} is too small for the noise "
                 f"sampler's analysis (values within 20 standard deviations): it adds up to {slack.delta:.3g} to "
                 f"δ={self.accountant.delta:g} over {num_rounds} rounds; raise the noise multiplier")
-        runner = runner if runner is not None else MessageRunner(grid)
+        runner = runner if runner is not None else MessageRunner(_needed(grid, "a round without a runner"))
         result = Result()
         arrays = initial_arrays
         handed_over = time.perf_counter()  # when the last round's record was complete: where this round's time starts
@@ -590,7 +612,8 @@ class SecureAggregator(Strategy):
                 break
             config = ConfigRecord(dict(train_config or {}))
             if self.secure_aggregation is not None:  # message by message through the Grid, on every engine
-                new_arrays, train_metrics = self.secure_round(grid, server_round, arrays, config, timeout)
+                new_arrays, train_metrics = self.secure_round(_needed(grid, "secure aggregation"), server_round,
+                                                              arrays, config, timeout)
             else:
                 request = self._train_request(server_round, arrays, config, timeout)
                 if isinstance(runner, ReducingRunner) and self.mechanism.clips:  # reduced where trained
@@ -602,9 +625,8 @@ class SecureAggregator(Strategy):
                 arrays = result.arrays = new_arrays
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
-            record = self.current
-            if evaluate_fn:
-                metrics = evaluate_fn(server_round, arrays)
+            record = self.round_record
+            if evaluate_fn and (metrics := evaluate_fn(server_round, arrays)) is not None:
                 result.evaluate_metrics_serverapp[server_round] = metrics
                 record.take_evaluation(metrics)
             # everything since the last round's record: that round's diagnostics, checkpoint and writes included
@@ -650,9 +672,6 @@ class _WeightsWatch:
         self._grid = grid
         self.senders: set[str] = set()  # "node <id>", as the protocol names dropped nodes
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._grid, name)
-
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         """The grid's replies, unchanged; the senders of weights noted."""
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
@@ -666,9 +685,29 @@ class _WeightsWatch:
                 if sender in self.senders else reason for sender, reason in dropped.items()}
 
 
+def _needed(grid: Grid | None, what: str) -> Grid:
+    """``grid``, which ``what`` sends its messages through (ValueError if there is none)."""
+    if grid is None:
+        raise ValueError(f"{what} needs a grid: its messages go through one")
+    return grid
+
+
+def _partition_id(content: RecordDict) -> int | None:
+    """The partition id a node's query reply states, None if it states no integer one."""
+    metrics = content.metric_records.get(protocol.METRICS)
+    value = None if metrics is None else metrics.get(protocol.PARTITION_ID)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _population_mismatch(population: int, found: str) -> str:
     return (f"population={population} but {found}; start one SuperNode per client, each with its own "
             "partition-id (simulation: --federation-config num-supernodes=<population>)")
+
+
+def _numbers(client_metrics: Iterable[Mapping[str, MetricValue]], key: str) -> list[int | float]:
+    """The values of metric ``key``, of the clients that sent it (a number: :class:`~fedhog.replies.ReplyCheck`
+    refuses a reply where it is not)."""
+    return [value for m in client_metrics if protocol.is_number(value := m.get(key))]
 
 
 def _mean(values: list[float]) -> float:

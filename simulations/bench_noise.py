@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import SecureBits, SeededBits
 
 

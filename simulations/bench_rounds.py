@@ -24,7 +24,10 @@ Every row runs the default activation (``fedhog.models.DEFAULT_ACTIVATION``);
 round — the cohort's local training and its third-order terms — for the MLP
 and the CNN per activation, interleaved, against tanh's (fedhog's models
 before the activation became a choice): a smooth activation must not make the
-round or the HOG term much slower.
+round or the HOG term much slower. ``--normalizations`` adds each activation
+with those normalisations (``fedhog.models.NORMALIZATIONS``; weight
+standardisation and GroupNorm are extra work in every layer), still against
+tanh without normalisation.
 The vectorized engine also runs populations of 10 000 and 100 000 clients
 with cohorts of 100 (IID, about 20 examples each: MNIST-1D is generated
 once and cached, which takes minutes for 100 000 clients), and a long run of
@@ -44,6 +47,7 @@ Usage::
     python simulations/bench_rounds.py --full     # adds Flower's Simulation Engine
     python simulations/bench_rounds.py --core --repeat 3  # the engine rows only, 3 passes round-robin
     python simulations/bench_rounds.py --activations [gelu silu] [--quick]  # the round per activation vs tanh
+    python simulations/bench_rounds.py --activations gelu --normalizations none ws group-ws --quick
 """
 
 from __future__ import annotations
@@ -202,6 +206,8 @@ def main() -> None:
     parser.add_argument("--activations", nargs="*", metavar="NAME",
                         help="only the vectorized rows, once per activation (all when none is named; tanh always), "
                         "each against tanh's")
+    parser.add_argument("--normalizations", nargs="+", default=["none"], metavar="NAME",
+                        help="with --activations: each activation with each of these normalizations (default none)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -209,7 +215,7 @@ def main() -> None:
         return
     rounds = 6 if args.quick else 20
     if args.activations is not None:
-        activation_table(rounds, args.threads, args.json, args.activations)
+        activation_table(rounds, args.threads, args.json, args.activations, args.normalizations)
         return
     engines = ["inprocess", "vectorized"] + (["simulation"] if args.full else [])
     rows = []
@@ -319,8 +325,8 @@ def _pick(rows: list[dict], by: str, **where: str) -> dict[str, float]:
             if all(r[k] == v for k, v in where.items()) and r["population"] == 1000 and r["shards"] == 1}
 
 
-def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -> None:
-    """The cohort's local work (gaussian) and with the HOG term, per activation, against tanh's.
+def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], normalizations: list[str]) -> None:
+    """The cohort's local work (gaussian) and with the HOG term, per activation and normalisation, against tanh's.
 
     What an activation changes in a vectorized round is the cohort's training and, with HOG, its third-order
     terms (:class:`fedhog.engines.cohort.CohortTrainer`); the rest of a round (sampling, clipping, noise, accounting,
@@ -333,13 +339,17 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -
     from fedhog.config import RunConfig
     from fedhog.data import dataset_info, population_training_data
     from fedhog.engines.cohort import CohortTrainer, HogSettings
-    from fedhog.models import ACTIVATIONS, build_model
+    from fedhog.models import ACTIVATIONS, NORMALIZATIONS, build_model
     from fedhog.training import direction_seed
 
     unknown = set(names) - set(ACTIVATIONS)
     if unknown:
         raise SystemExit(f"--activations: {sorted(unknown)} not allowed; expected names among {list(ACTIVATIONS)}")
-    chosen = ["tanh", *(name for name in (names or ACTIVATIONS) if name != "tanh")]
+    if set(normalizations) - set(NORMALIZATIONS):
+        raise SystemExit(f"--normalizations: {sorted(set(normalizations) - set(NORMALIZATIONS))} not allowed; "
+                         f"expected names among {list(NORMALIZATIONS)}")
+    chosen = [("tanh", "none"), *((name, norm) for name in (names or ACTIVATIONS) for norm in normalizations
+                                  if (name, norm) != ("tanh", "none"))]
     torch.set_num_threads(threads)
     config = RunConfig().with_overrides({k: v for k, v in WORKLOAD.items() if k != "noise-multiplier"})
     x, y, indices = population_training_data(config.data_spec)
@@ -348,32 +358,36 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str]) -
     timings: dict[tuple[str, str, str], list[float]] = {}
     trainers = {}
     for model in ("mlp", "cnn1d"):
-        for activation in chosen:
+        for variant in chosen:
             torch.manual_seed(0)
-            network = build_model(model, *dataset_info(config.data_spec), activation)
-            trainers[model, activation] = (CohortTrainer(network, x, y, indices, torch.device("cpu")),
-                                           network.state_dict())
+            network = build_model(model, *dataset_info(config.data_spec), *variant)
+            trainers[model, variant] = (CohortTrainer(network, x, y, indices, torch.device("cpu")),
+                                        network.state_dict())
     for _ in range(rounds):
         for (model, activation), (trainer, start) in trainers.items():
             for mechanism, hog in (("gaussian", None), ("hog", HogSettings("random", "third-order", 32))):
                 began = time.perf_counter()
                 trainer.train(start, cohort, seeds, 1, config.batch_size, config.learning_rate, 0.0, hog)
                 timings.setdefault((model, mechanism, activation), []).append(time.perf_counter() - began)
-    rows = [{"model": m, "mechanism": k, "activation": a, "seconds": statistics.median(t)}
+    rows = [{"model": m, "mechanism": k, "activation": a[0], "normalization": a[1], "seconds": statistics.median(t)}
             for (m, k, a), t in timings.items()]
     if quiet:
         print(json.dumps({"rows": rows}, indent=2))
         return
-    tanh = {(r["model"], r["mechanism"]): r["seconds"] for r in rows if r["activation"] == "tanh"}
-    gaussian = {(r["model"], r["activation"]): r["seconds"] for r in rows if r["mechanism"] == "gaussian"}
+    tanh = {(r["model"], r["mechanism"]): r["seconds"] for r in rows
+            if (r["activation"], r["normalization"]) == ("tanh", "none")}
+    gaussian = {(r["model"], r["activation"], r["normalization"]): r["seconds"] for r in rows
+                if r["mechanism"] == "gaussian"}
     print(f"a cohort of 100 (MNIST-1D, 1 local epoch of batch 10; hog: + the third-order term on 32 examples), "
           f"torch threads: {threads}; median of {rounds} interleaved repetitions\n")
-    print("| model | mechanism | activation | ms per cohort | × tanh's | hog × gaussian |")
-    print("|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["model"] != "mlp", r["mechanism"], chosen.index(r["activation"]))):
-        hog = f"{r['seconds'] / gaussian[r['model'], r['activation']]:.2f}" if r["mechanism"] == "hog" else ""
-        print(f"| {r['model']} | {r['mechanism']} | {r['activation']} | {r['seconds'] * 1e3:.0f} "
-              f"| {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} |")
+    print("| model | mechanism | activation | normalization | ms per cohort | × tanh's | hog × gaussian |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["model"] != "mlp", r["mechanism"],
+                                         chosen.index((r["activation"], r["normalization"])))):
+        own = r["model"], r["activation"], r["normalization"]
+        hog = f"{r['seconds'] / gaussian[own]:.2f}" if r["mechanism"] == "hog" else ""
+        print(f"| {r['model']} | {r['mechanism']} | {r['activation']} | {r['normalization']} "
+              f"| {r['seconds'] * 1e3:.0f} | {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} |")
 
 
 def _progress(row: dict, quiet: bool) -> None:

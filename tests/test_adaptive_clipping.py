@@ -22,7 +22,7 @@ from fedhog.privacy.adaptive_clipping import (
     default_count_noise_std,
     update_noise_multiplier,
 )
-from fedhog.privacy.mechanism import LATTICE_BITS
+from fedhog.privacy.lattice import LATTICE_BITS
 from fedhog.privacy.randomness import SeededBits, discrete_gaussian
 
 

@@ -30,7 +30,8 @@ from fedhog.engines.inprocess import InProcessGrid, run_in_process
 from fedhog.privacy import randomness
 from fedhog.privacy.accounting import ClientLevelAccountant
 from fedhog.privacy.adaptive_clipping import AdaptiveClipping, AdaptiveClippingSettings
-from fedhog.privacy.mechanism import NoiseLattice, build_mechanism
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import build_mechanism
 from fedhog.privacy.randomness import PrivacyRandomness, SecureBits, SeededBits, standard_normal
 from fedhog.server_app import app as server_app
 from fedhog.strategy import SecureAggregator

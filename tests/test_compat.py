@@ -8,6 +8,7 @@ import inspect
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -110,6 +111,26 @@ def test_opacus_refuses_a_marked_gradient() -> None:
         check(gradient)
     assert [list(inspect.signature(f).parameters) for f in (check, mark)] == [["obj"], ["obj"]]
 
+
+
+@pytest.mark.parametrize("kind", ["dirichlet", "pathological", "iid"])
+def test_partition_indices_are_what_load_partition_selects(kind: str) -> None:
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
+    labels = np.random.default_rng(0).integers(0, 10, 3000)
+    partitioner = {"dirichlet": lambda: DirichletPartitioner(50, "label", 0.5, min_partition_size=0, seed=3),
+                   "pathological": lambda: PathologicalPartitioner(50, "label", 2, seed=3),
+                   "iid": lambda: IidPartitioner(50)}[kind]()
+    partitioner.dataset = Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
+    assert compat.partition_indices(partitioner) is None  # nothing assigned before the first load
+    selected = [list(partitioner.load_partition(i)["idx"]) for i in range(50)]
+    indices = compat.partition_indices(partitioner)
+    if kind == "iid":
+        assert indices is None  # keeps no assignment: fedhog loads each partition
+    else:
+        assert [list(map(int, part)) for part in indices] == selected
+        assert sorted(i for part in selected for i in part) == list(range(len(labels)))
 
 def private_uses(path: Path) -> list[str]:
     """Private Flower / Opacus names ``path`` imports, and ``__dict__[...]`` writes it makes."""

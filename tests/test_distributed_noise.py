@@ -324,6 +324,18 @@ def test_the_distributed_mechanism_adds_each_clients_share_and_the_server_nothin
         mechanism.aggregate([], 10, [], SeededBits(1), 650)
 
 
+def test_the_distributed_mechanism_reports_the_inner_c_and_sigma_and_keeps_them():
+    """Its name, term, C and σ are the inner mechanism's; C cannot change: the clients' plan is calibrated to it."""
+    config = _distributed_config()
+    mechanism = config.mechanism_for(650)
+    inner = config.privacy_mechanism
+    assert mechanism.inner == inner and (mechanism.name, mechanism.wants_term) == ("hog", True)
+    assert (mechanism.clipping_norm, mechanism.noise_multiplier) == (0.5, 0.5) == (inner.clipping_norm,
+                                                                                  inner.noise_multiplier)
+    with pytest.raises(ValueError, match="noise plan is calibrated"):
+        mechanism.with_clipping(0.25, 0.5)
+
+
 def test_the_ddg_accountants_noise_multiplier_is_the_plans_as_accounted():
     """What metrics.json records as accountant_noise_multiplier: the m shares' std over 2Δ₂, as the plan says."""
     config = _distributed_config()

@@ -23,7 +23,8 @@ from fedhog.config import ConfigError, RunConfig
 from fedhog.data import ArrayData, load_digits
 from fedhog.dpsgd import DpSgdSettings, lattice_noisy_sum, record_privacy, train_dpsgd
 from fedhog.models import build_model
-from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import SecureBits, SeededBits, sampler_log_ratio_bound
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's dropped-RDP-order warnings

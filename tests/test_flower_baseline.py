@@ -102,7 +102,7 @@ def test_the_baselines_aggregator_fixes_only_config_keys_and_its_runs_cannot_be_
     assert set(flower.requires) <= set(RunConfig().to_mapping())  # every key it fixes is a config key
     config = RunConfig().with_overrides({**SMALL, "aggregator": "flower-dp", **flower.requires,
                                          "results-dir": str(tmp_path / "run")})
-    assert aggregator_of(config) is flower and not flower.wants_term(config)
+    assert aggregator_of(config) is flower and not flower.takes_terms
     assert not flower.resumable and AGGREGATOR_REGISTRY["fedhog"].resumable
     ResultsWriter(Path(config.results_dir), config).update(status="interrupted", rounds=[{"round": 1}])
     assert cli.main(["run", "--resume", config.results_dir]) == 2

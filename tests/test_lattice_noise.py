@@ -21,7 +21,8 @@ import pytest
 import torch
 from scipy import stats
 
-from fedhog.privacy.mechanism import GaussianMechanism, NoiseLattice
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import (
     EXP_ULPS,
     SecureBits,

@@ -10,14 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
-from fedhog.privacy.mechanism import (
-    CLIP_GUARD,
-    Contribution,
-    NoiseLattice,
-    build_mechanism,
-    sampler_slack,
-)
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import CLIP_GUARD, Contribution, build_mechanism
 from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits, sampler_log_ratio_bound
+from fedhog.privacy.sampler_slack import sampler_slack
 
 F64 = torch.float64
 
@@ -457,6 +453,20 @@ def test_the_registry_builds_each_mechanism_and_refuses_others():
         build_mechanism("laplace", 1.0)
     with pytest.raises(ValueError, match="adds no noise"):
         none.add_noise(torch.zeros(2, dtype=torch.int64), NoiseLattice(1.0, 2), SeededBits(0), 1)
+
+
+def test_with_clipping_changes_c_and_sigma_only():
+    """Adaptive clipping's round mechanism: the same class (and γ), the new C and σ, which the release uses."""
+    for name in ("none", "gaussian", "hog"):
+        base = build_mechanism(name, 1.5, 0.7, 0.3)
+        moved = base.with_clipping(0.25, 2.0)
+        assert type(moved) is type(base) and (moved.clipping_norm, moved.noise_multiplier) == (0.25, 2.0)
+        assert (base.clipping_norm, base.noise_multiplier) == (1.5, 0.7)  # the original is unchanged
+        assert getattr(moved, "mixing_strength", None) == getattr(base, "mixing_strength", None)
+    update = t64(3.0, 4.0)  # ‖Δ‖ = 5: clipped to the new C
+    out, _ = build_mechanism("gaussian", 10.0).with_clipping(0.5, 0.0).constrain_sensitivity(
+        update[None], None, t64(0.0))
+    torch.testing.assert_close(out[0], update * 0.5 * CLIP_GUARD / 5, rtol=1e-15, atol=0)
 
 
 def test_xis_are_drawn_per_slot_only_where_there_is_mixing():

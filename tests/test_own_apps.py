@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -15,7 +18,7 @@ from fedhog.server_app import build_strategy
 POPULATION = 4
 
 
-def _apps(config: RunConfig, rounds: int, finished: dict) -> tuple[ServerApp, ClientApp]:
+def _apps(config: RunConfig, rounds: int, finished: dict, evaluate_fn=None) -> tuple[ServerApp, ClientApp]:
     """A ClientApp replying Δ = (partition + 1)·1 for partition + 1 examples; a ServerApp around SecureAggregator."""
     client = ClientApp()
 
@@ -37,9 +40,10 @@ def _apps(config: RunConfig, rounds: int, finished: dict) -> tuple[ServerApp, Cl
         strategy.discover(grid, POPULATION, timeout=60, identify=False)
         initial = ArrayRecord({"w": torch.zeros(3)})
         finished["records"] = []
-        result = strategy.start(grid, initial, num_rounds=rounds,
+        result = strategy.start(grid, initial, num_rounds=rounds, evaluate_fn=evaluate_fn,
                                 on_round=lambda record, arrays: finished["records"].append(record))
         finished["w"] = result.arrays.to_torch_state_dict()["w"]
+        finished["evaluated"] = result.evaluate_metrics_serverapp
 
     return server, client
 
@@ -73,3 +77,40 @@ def test_the_gaussian_mechanism_clips_each_update_and_accounts_every_round():
     run_in_process(server, client, POPULATION, {})
     epsilons = [r.epsilon for r in noisy["records"]]
     assert 0 < epsilons[0] < epsilons[1] < float("inf")
+
+
+def test_an_evaluation_that_returns_nothing_leaves_the_round_unevaluated():
+    """Flower's evaluate_fn may return None: that round has no test metrics, the next one has its own."""
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        return None if server_round == 1 else MetricRecord({"accuracy": 0.25, "loss": 2.0})
+
+    finished: dict = {}
+    server, client = _apps(_config(mechanism="none", **{"noise-multiplier": 0.0}), 2, finished, evaluate)
+    run_in_process(server, client, POPULATION, {})
+    first, second = finished["records"]
+    assert math.isnan(first.accuracy) and (second.accuracy, second.loss) == (0.25, 2.0)
+    assert list(finished["evaluated"]) == [2]
+
+
+def test_a_node_that_states_no_integer_partition_id_counts_as_not_answering():
+    """discover(identify=True): a partition id sent as a list is no partition id (not a crash of the ServerApp)."""
+    client = ClientApp()
+
+    @client.query()
+    def query(msg: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        stated = [partition] if partition == 3 else partition
+        return Message(RecordDict({protocol.METRICS: MetricRecord({protocol.PARTITION_ID: stated})}), reply_to=msg)
+
+    server = ServerApp()
+    refused: list[str] = []
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = build_strategy(_config(mechanism="none", **{"noise-multiplier": 0.0}))
+        with pytest.raises(RuntimeError, match="the 3 nodes that answered hold 3 distinct partition ids") as error:
+            strategy.discover(grid, POPULATION, timeout=60, identify=True)
+        refused.append(str(error.value))
+
+    run_in_process(server, client, POPULATION, {})
+    assert len(refused) == 1

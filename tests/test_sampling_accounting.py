@@ -232,3 +232,8 @@ def test_state_dict_round_trip_gives_same_epsilon():
     # a checkpoint of a different privacy configuration is refused
     with pytest.raises(ValueError, match="privacy configuration does not match"):
         ClientLevelAccountant(sigma, "fixed", q, n, 1e-6).load_state_dict(state)
+    # so is a state whose count of releases is not an integer, or without the backend this accountant keeps
+    for bad in ({**state, "releases": "3"}, {**state, "releases": 2.0}, {**state, "backend": None},
+                {**state, "backend": [1]}):
+        with pytest.raises(ValueError, match=r"accountant state|no backend state"):
+            ClientLevelAccountant(sigma, "fixed", q, n, DELTA).load_state_dict(bad)

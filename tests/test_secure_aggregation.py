@@ -210,6 +210,43 @@ def test_more_dropouts_than_the_threshold_allows_fail_without_unmasking(stage):
     assert len(failure.value.dropped) == 3
 
 
+def _corrupted(msg: Message, reply: Message, stage: str) -> Message:
+    """``reply`` to ``msg`` with its stage's config record broken as a misbehaving client might break it."""
+    record = ConfigRecord(dict(reply.content.config_records[RECORD_KEY_CONFIGS]))
+    if stage == Stage.SETUP:
+        del record[Key.PUBLIC_KEY_2]  # a key missing
+    elif stage == Stage.SHARE_KEYS:
+        record[Key.DESTINATION_LIST] = record[Key.DESTINATION_LIST][:-1]  # one destination fewer than ciphertexts
+    else:
+        record[Key.SHARE_LIST] = list(range(len(record[Key.SHARE_LIST])))  # integers, not shares
+    return Message(RecordDict({RECORD_KEY_CONFIGS: record}), reply_to=msg)
+
+
+@pytest.mark.parametrize("stage", [Stage.SETUP, Stage.SHARE_KEYS, Stage.UNMASK])
+def test_a_malformed_stage_reply_drops_its_node_and_the_others_still_sum(stage):
+    """One node's reply to a stage lacks a key, pairs lists of unequal length or holds the wrong type: that node is
+    dropped as malformed (no crash of the server), and the survivors' sum is unmasked as with a dropout."""
+    n, liar = 7, 6
+    levels = _contributions(n)
+    honest = _secure_app(levels, ClientGuard(0.66, 0, cohort=n))
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        asked = msg.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]  # before the stage reads its record
+        reply = honest(msg, context)
+        return _corrupted(msg, reply, stage) if int(context.node_config["partition-id"]) == liar and \
+            asked == stage else reply
+
+    grid = DroppingGrid(app, n, {})
+    settings = SecAggSettings(0, 0.66, ModularLattice.for_cohort(CLIP, n, 32), CLIP)
+    content = RecordDict({"config": ConfigRecord({protocol.SERVER_ROUND: 1})})
+    result = secure_sum(grid, sorted(grid.contexts), content, DIMENSION, settings, 10, "1")
+    assert [reason.kind.value for reason in result.dropped.values()] == ["malformed"]
+    summed = range(n) if stage == Stage.UNMASK else [i for i in range(n) if i != liar]  # it sent its vector
+    assert torch.equal(result.levels, torch.from_numpy(sum(levels[i] for i in summed)))
+
+
 def _run(tmp_path, name: str, grid_kwargs: dict | None = None, grids: list | None = None,
          client_overrides: dict | None = None, **overrides) -> tuple[dict, dict]:
     """One run of the real apps; ``client_overrides`` give the clients a config of their own (a lying server)."""

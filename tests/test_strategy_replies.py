@@ -11,7 +11,8 @@ from flwr.common.constant import ErrorCode
 
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.accounting import ClientLevelAccountant
-from fedhog.privacy.mechanism import NoiseLattice, build_mechanism
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import build_mechanism
 from fedhog.privacy.randomness import PrivacyRandomness, SeededBits, discrete_gaussian, standard_normal
 from fedhog.protocol import Rejection
 from fedhog.server_optimizer import ServerOptimizerSettings
@@ -414,3 +415,28 @@ def test_an_update_beyond_max_update_norm_is_rejected_as_too_large():
     assert aggregator.current.rejections == {"too large": 1}
     assert aggregator.current.clients_accepted == 1
     np.testing.assert_allclose(flat_of(arrays), GLOBAL_FLAT + ok * min(1.0, 1 / np.linalg.norm(ok)) / 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("key", ["train-loss", "third-order-seconds", "dpsgd-epsilon", "third-order-finite"])
+def test_a_metric_the_server_reads_as_a_number_refuses_a_list(key):
+    """MetricRecords may hold lists: one where the server reads a number is malformed, not a crash of the round."""
+    aggregator, sent = make_aggregator()
+    odd = reply(sent[NODES[1]], U1, metrics={key: [0.5, 1.5]})
+    arrays, _ = aggregator.aggregate_train(1, [reply(sent[NODES[0]], U0), odd])
+    assert_round(aggregator, (arrays, _), 1, {"malformed": 1}, expected_global([U0], 1.0, 4, 1.0))
+    assert aggregator.current.train_loss == 0.5  # the accepted reply's
+
+
+def test_a_train_instruction_is_read_typed():
+    """What a client reads of a train instruction: the round as an integer (another type is refused) and the model."""
+    from fedhog.replies import global_model_of, server_round_of
+
+    _, sent = make_aggregator()
+    instruction = sent[NODES[0]]
+    assert server_round_of(instruction) == 1
+    assert global_model_of(instruction) == as_record(GLOBAL_FLAT)
+    for odd in (2.0, "2", True):
+        message = Message(RecordDict({"arrays": as_record(GLOBAL_FLAT), "config": ConfigRecord({"server-round": odd})}),
+                          dst_node_id=NODES[0], message_type=MessageType.TRAIN)
+        with pytest.raises(ValueError, match=f"server-round={odd!r} is not allowed; expected an integer"):
+            server_round_of(message)

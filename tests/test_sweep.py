@@ -145,6 +145,9 @@ def test_the_tuned_sweeps_tune_every_variant_per_condition():
                                                           for m in ("mlp", "cnn1d") for e in (1.0, 3.0, 8.0)}
     hog = {t.setting for t in sweep.trials if t.cell.variant == "hog"}
     assert len(hog) == 2 * 3 * 2 and {dict(s)["mixing-strength"] for s in hog} == {0.25, 0.5}
+    control = {t.setting for t in sweep.trials if t.cell.variant == "hog-random-term"}
+    assert control == hog  # the random-term control is tuned over the same settings as the term it controls
+    assert {c.config.hog_term for c in sweep.cells if c.variant == "hog-random-term"} == {"random"}
     assert {t.cell.config.rounds for t in sweep.trials} == {30} and {c.config.rounds for c in sweep.cells} == {100}
     assert {c.config.seed for c in sweep.cells} == set(range(5))
 

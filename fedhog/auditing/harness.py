@@ -48,7 +48,6 @@ optimizer is forced to plain SGD with η = 1 (any other is post-processing).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,8 +60,9 @@ from .. import protocol
 from ..aggregators import aggregator_of
 from ..config import RunConfig
 from ..dpsgd import DpSgdSettings
-from ..privacy.audit.attacks import Observation
-from ..privacy.mechanism import CLIP_GUARD, GaussianMechanism, NoiseLattice
+from ..privacy.audit.attacks import Observation, Relation
+from ..privacy.lattice import NoiseLattice
+from ..privacy.mechanism import CLIP_GUARD, GaussianMechanism
 from ..privacy.randomness import PrivacyRandomness, client_bits
 from ..privacy.sampling import sample_cohort
 from ..protocol import ClientResult
@@ -93,7 +93,7 @@ class CanarySet:
         """2 per canary."""
         return 2 * len(self.labels)
 
-    def sign(self, slot: int, relation: str) -> float:
+    def sign(self, slot: int, relation: Relation) -> float:
         """+1 in, −1 out under replace-one, 0 absent."""
         if slot >= len(self.labels):
             return 0.0
@@ -134,10 +134,9 @@ class _Recorder:
         self.across.append(((blocks[:, 0] + blocks[:, 1]) * SQRT_HALF / scale).astype(np.float32))
         self.signal.append(clipped_norm / scale)
 
-    def observation(self, canaries: CanarySet, inclusion_rate: float, relation: str) -> Observation:
+    def observation(self, canaries: CanarySet, inclusion_rate: float, relation: Relation) -> Observation:
         return Observation(np.array(self.along, dtype=np.float32), np.array(self.across, dtype=np.float32),
-                           np.array(self.signal),
-                           canaries.labels.copy(), inclusion_rate, relation)  # type: ignore[arg-type]
+                           np.array(self.signal), canaries.labels.copy(), inclusion_rate, relation)
 
 
 @dataclass(frozen=True)
@@ -148,7 +147,7 @@ class RunOutcome:
     epsilon: float
 
 
-def relation_of(config: RunConfig) -> str:
+def relation_of(config: RunConfig) -> Relation:
     """What an absent canary is under the config's accountant: add/remove (Poisson, Flower) or replace-one (fixed)."""
     if config.client_dp == "dpsgd":
         return "add-remove"
@@ -159,8 +158,8 @@ def harness_of(config: RunConfig, trusted: str = "vectorized") -> str:
     """Which harness runs this config (see the module docstring); ``trusted`` picks the trusted server's."""
     if config.client_dp == "dpsgd":
         return "dpsgd"
-    if aggregator_of(config).audit_harness is not None:
-        return aggregator_of(config).audit_harness
+    if (harness := aggregator_of(config).audit_harness) is not None:
+        return harness
     if config.secure_aggregation != "off":
         return "secure"
     return trusted
@@ -183,7 +182,7 @@ def _strategy(config: RunConfig, dimension: int, hook: StrategyHook | None) -> S
 class _CanaryCohorts:
     """A :class:`~fedhog.replies.CohortRunner` whose clients are the canaries (as the vectorized engine's runner)."""
 
-    def __init__(self, canaries: CanarySet, relation: str, hog: bool) -> None:
+    def __init__(self, canaries: CanarySet, relation: Relation, hog: bool) -> None:
         self.canaries, self.relation, self.hog = canaries, relation, hog
 
     def train(self, request: TrainRequest) -> CohortReplies:
@@ -253,8 +252,8 @@ def run_batched(config: RunConfig, canaries: CanarySet, hook: StrategyHook | Non
         present = sampled[signs[sampled] != 0]
         mechanism = strategy.mechanism
         if strategy.adaptive_clipping is not None:
-            mechanism = dataclasses.replace(mechanism, clipping_norm=strategy.adaptive_clipping.clipping_norm,
-                                            noise_multiplier=strategy.adaptive_clipping.update_noise_multiplier)
+            mechanism = mechanism.with_clipping(strategy.adaptive_clipping.clipping_norm,
+                                                strategy.adaptive_clipping.update_noise_multiplier)
         xis = mechanism.xis(randomness.mixing, count, present)  # one ξ per slot, as the strategy draws them
         lattice = NoiseLattice.for_settings(mechanism, dimension)
         levels = torch.zeros(dimension, dtype=torch.int64)
@@ -282,8 +281,10 @@ def run_secure(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None
     relation = relation_of(config)
     dimension = canaries.dimension
     strategy = _strategy(config, dimension, hook)
-    mechanism = strategy.mechanism
-    lattice, noise = strategy.secure_aggregation.lattice, strategy.secure_aggregation.noise
+    mechanism, secure = strategy.mechanism, strategy.secure_aggregation
+    if secure is None:
+        raise ValueError("run_secure needs a config with secure-aggregation on")
+    lattice, noise = secure.lattice, secure.noise
     arrays = ArrayRecord({ARRAY_KEY: torch.zeros(dimension, dtype=torch.float32)})
     recorder = _Recorder(len(canaries.labels), _flat(arrays))
     seed = None if config.privacy_seed < 0 else config.privacy_seed
@@ -311,7 +312,7 @@ def run_secure(config: RunConfig, canaries: CanarySet, hook: StrategyHook | None
         result = SecureSum(lattice.decode_sum(residues), lattice, len(present))
         arrays, _ = strategy.finish_secure_round(server_round, result)
         if noise is None:
-            sum_std = strategy.current.noise_std * cohort_size
+            sum_std = strategy.round_record.noise_std * cohort_size
         else:
             sum_std = math.sqrt(len(present) - uncounted) * noise.local_std * lattice.granularity
         recorder.observe(_flat(arrays), sum_std, min(canaries.norm, config.clipping_norm * CLIP_GUARD), cohort_size,
@@ -332,7 +333,7 @@ def run_flower_dp(config: RunConfig, canaries: CanarySet, hook: StrategyHook | N
     @client.train()
     def reply(msg: Message, context: Context) -> Message:
         slot = int(context.node_config["partition-id"])
-        state = msg.content["arrays"].to_torch_state_dict()
+        state = msg.content.array_records["arrays"].to_torch_state_dict()
         sign = canaries.sign(slot, relation)
         # Flower's clipping divides by the update's norm: an absent canary sends a negligible one instead of 0
         update = canaries.update(slot, sign) if sign else IDLE_SHARE * config.clipping_norm * canaries.term(
@@ -341,6 +342,9 @@ def run_flower_dp(config: RunConfig, canaries: CanarySet, hook: StrategyHook | N
 
     grid = InProcessGrid(client, config.population, config.to_mapping())
     strategy = build_flower_dp_strategy(config)
+    accountant = strategy.accountant
+    if accountant is None:  # build_flower_dp_strategy gives the wrapper one
+        raise RuntimeError("the flower-dp baseline's wrapper has no accountant")
     initial = ArrayRecord({ARRAY_KEY: torch.zeros(canaries.dimension, dtype=torch.float32)})
     recorder = _Recorder(len(canaries.labels), _flat(initial))
     cohort = config.expected_cohort
@@ -353,7 +357,7 @@ def run_flower_dp(config: RunConfig, canaries: CanarySet, hook: StrategyHook | N
 
     strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout, evaluate_fn=evaluate)
     return RunOutcome(recorder.observation(canaries, config.sampling_rate, relation),
-                      strategy.accountant.get_epsilon(config.delta))
+                      accountant.get_epsilon(config.delta))
 
 
 DPSGD_FEATURE = 1000.0  # a canary record's feature: its gradient is far longer than any clipping norm

@@ -14,6 +14,7 @@ option (``order``, ``loss``, ``method``, ``per_example``) is keyword-only.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -41,24 +42,32 @@ from .api import (
 )
 from .errors import Unsupported
 from .losses import LOSSES, LossFn, get_loss
-from .taylor import LOSS_SERIES, TaylorProgram, loss_series, program_for
+from .taylor import LOSS_SERIES, loss_series, program_for
 from .trusted import TrustedDerivatives
 
 METHODS = ("auto", "taylor", "torch.func", "autograd")
 Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
+#: (params, buffers, direction v, inputs, targets, n) -> the Taylor coefficients [n] of s ↦ L(θ + s v)
+LossSeries = Callable[[Params, Params, Params, Tensor, Tensor, int], Tensor]
 
 _GAPS = ("derivative for", "forward ad", "not implemented", "inplace operation", "does not support")
 """Phrases of PyTorch errors that mean an operation lacks a derivative of the needed kind or order."""
 
 
-def _program(model: nn.Module, loss: str | LossFn) -> TaylorProgram | Unsupported:
-    """The model's Taylor program, or why Taylor mode cannot run (a fresh exception, not raised)."""
+def _program(model: nn.Module, loss: str | LossFn) -> LossSeries | Unsupported:
+    """The Taylor series of the model's named loss (:func:`~fedhog.derivatives.taylor.loss_series` with the model's
+    program), or why Taylor mode cannot run (a fresh exception, not raised)."""
     if not isinstance(loss, str) or loss not in LOSS_SERIES:
         return Unsupported(f"Taylor mode needs a named loss {sorted(LOSS_SERIES)}; got {describe(loss)}")
     try:
-        return program_for(model)
+        program = program_for(model)
     except Unsupported as exc:
         return exc
+
+    def series(params: Params, buffers: Params, direction: Params, inputs: Tensor, targets: Tensor, n: int) -> Tensor:
+        return loss_series(program, loss, params, buffers, direction, inputs, targets, n)
+
+    return series
 
 
 def _reference(model: nn.Module, loss: str | LossFn, formulation: Formulation) -> Compute:
@@ -141,7 +150,7 @@ def _run(
 
 
 def _taylor_grad(
-    program: TaylorProgram | Unsupported, loss: str, v: Params, n: int, k: int, scale: float, per_example: bool
+    program: LossSeries | Unsupported, v: Params, n: int, k: int, scale: float, per_example: bool
 ) -> Compute | Unsupported:
     """``∇_θ (scale · c_k)`` where ``c`` are the Taylor coefficients of ``L(θ + s v)``.
 
@@ -152,7 +161,7 @@ def _taylor_grad(
         return program
 
     def coefficient(p: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        c = loss_series(program, loss, p, buffers, v, x, y, n)
+        c = program(p, buffers, v, x, y, n)
         return scale * c[k], c[0].detach()
 
     def functional(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Params, Tensor]:
@@ -225,7 +234,7 @@ def gradient(
     computes: dict[str, Compute | Unsupported] = {
         "autograd": _reference(model, loss, fn.autograd_gradient),
         "torch.func": _reference(model, loss, fn.func_gradient),
-        "taylor": _taylor_grad(program, loss, unused, 1, 0, 1.0, per_example),  # type: ignore[arg-type]
+        "taylor": _taylor_grad(program, unused, 1, 0, 1.0, per_example),
     }
     return _run(model, state, inputs, targets, method, per_example, computes, "gradient")
 
@@ -250,7 +259,7 @@ def hessian_vector_product(
     v = check_direction(direction, state[0])
     program = _program(model, loss)
     computes: dict[str, Compute | Unsupported] = {
-        "taylor": _taylor_grad(program, loss, v, 2, 1, 1.0, per_example),  # type: ignore[arg-type]
+        "taylor": _taylor_grad(program, v, 2, 1, 1.0, per_example),
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_hvp(f, p, v)),
         "torch.func": _reference(model, loss, lambda f, p: fn.func_hvp(f, p, v)),
     }
@@ -279,7 +288,7 @@ def third_order_vector(
     v = check_direction(direction, state[0])
     program = _program(model, loss)
     computes: dict[str, Compute | Unsupported] = {
-        "taylor": _taylor_grad(program, loss, v, 3, 2, 2.0, per_example),  # type: ignore[arg-type]
+        "taylor": _taylor_grad(program, v, 3, 2, 2.0, per_example),
         "torch.func": _reference(model, loss, lambda f, p: fn.func_third_order(f, p, v)),
         "autograd": _reference(model, loss, lambda f, p: fn.autograd_third_order(f, p, v)),
     }
@@ -311,9 +320,9 @@ def directional_derivatives(
     program = _program(model, loss)
     factorials = [float(math.factorial(k)) for k in range(order + 1)]
 
-    def taylor(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def taylor(series: LossSeries, params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         with torch.no_grad():
-            c = loss_series(program, loss, params, buffers, v, x, y, order + 1)  # type: ignore[arg-type]
+            c = series(params, buffers, v, x, y, order + 1)
             d = c * c.new_tensor(factorials)
         return d, d[0]
 
@@ -322,7 +331,7 @@ def directional_derivatives(
         return d, d[0]
 
     computes: dict[str, Compute | Unsupported] = {
-        "taylor": program if isinstance(program, Unsupported) else taylor,
+        "taylor": program if isinstance(program, Unsupported) else functools.partial(taylor, program),
         "torch.func": _reference(model, loss, nested),
     }
     return _run(model, state, inputs, targets, method, per_example, computes, "directional derivatives")

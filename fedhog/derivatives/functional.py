@@ -8,6 +8,8 @@ formulation and baseline.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,13 @@ from torch.func import grad, grad_and_value, hessian, jvp
 
 Params = dict[str, Tensor]
 ScalarFn = Callable[[Params], Tensor]
+
+
+def _jvp(func: Callable[..., Any], primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``torch.func.jvp`` without auxiliary output: ``func(*primals)`` and its derivative along ``tangents`` (torch's
+    annotation also admits the ``has_aux`` triple)."""
+    out = jvp(func, primals, tangents)
+    return out[0], out[1]
 
 
 def func_gradient(f: ScalarFn, params: Params) -> tuple[Params, Tensor]:
@@ -30,7 +39,7 @@ def func_hvp(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Tensor]:
     def g(p: Params) -> tuple[Params, Tensor]:
         return grad_and_value(f)(p)
 
-    (_, value), (hv, _) = jvp(g, (params,), (v,))
+    (_, value), (hv, _) = _jvp(g, (params,), (v,))
     return hv, value
 
 
@@ -39,9 +48,9 @@ def func_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params, Te
 
     def second(p: Params) -> tuple[Tensor, Tensor]:
         def first(q: Params) -> tuple[Tensor, Tensor]:
-            return jvp(f, (q,), (v,))
+            return _jvp(f, (q,), (v,))
 
-        (value, _), (_, d2) = jvp(first, (p,), (v,))
+        (value, _), (_, d2) = _jvp(first, (p,), (v,))
         return d2, value
 
     t, value = grad(second, has_aux=True)(params)
@@ -61,7 +70,7 @@ def func_directional(f: Callable[[Any], Tensor], params: Any, v: Any, order: int
         inner = nest(k - 1)
 
         def g(p: Any) -> tuple[Tensor, ...]:
-            values, tangents = jvp(inner, (p,), (v,))
+            values, tangents = _jvp(inner, (p,), (v,))
             return (*values, tangents[-1])
 
         return g
@@ -95,7 +104,7 @@ def _grad(out: Tensor, params: Params, create_graph: bool) -> Params:
 
 
 def _dot(a: Params, b: Params) -> Tensor:
-    return sum((a[k] * b[k]).sum() for k in a)
+    return functools.reduce(operator.add, [(a[k] * b[k]).sum() for k in a])
 
 
 def autograd_gradient(f: ScalarFn, params: Params) -> tuple[Params, Tensor]:

@@ -230,8 +230,8 @@ _PRIMAL_OPS = {"size", "dim", builtins.getattr}
 def _call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
     """Apply a ``call_function``/``call_method`` target to jets and constants."""
     if not _has_jet((args, kwargs)):
-        f = getattr(args[0], target) if isinstance(target, str) else target
-        return f(*(args[1:] if isinstance(target, str) else args), **kwargs)
+        plain = getattr(args[0], target) if isinstance(target, str) else target
+        return plain(*(args[1:] if isinstance(target, str) else args), **kwargs)
     if target in _PRIMAL_OPS:
         return _call(target, n, _substitute(args, 0, False), _substitute(kwargs, 0, False))
     method = isinstance(target, str)
@@ -284,7 +284,7 @@ def _softplus(n: int, x: Any, beta: float = 1.0, threshold: float = 20.0) -> Any
     return _call(operator.truediv, n, (_unary(series.softplus, _call(operator.mul, n, (x, beta), {}), n), beta), {})
 
 
-def _batchnorm(n: int, m: nn.Module, x: Any, w: Any, b: Any) -> Any:
+def _batchnorm(n: int, m: nn.BatchNorm1d | nn.BatchNorm2d, x: Any, w: Any, b: Any) -> Any:
     if m.running_mean is None or m.running_var is None:
         raise Unsupported("BatchNorm without running statistics")
     shape = (-1,) + (1,) * (_series(x)[0].dim() - 2)
@@ -384,7 +384,7 @@ def _norm_call(target: Any, n: int, args: tuple, kwargs: dict) -> Any:
 _NORM_FUNCTIONS = {F.layer_norm, torch.layer_norm, F.group_norm, F.rms_norm}
 
 
-def _max_pool(m: nn.Module, x: Any) -> Any:
+def _max_pool(m: nn.MaxPool1d | nn.MaxPool2d, x: Any) -> Any:
     """Max-pooling: every coefficient is taken where the value part attains the maximum."""
     if not isinstance(x, Jet):
         return m(x)
@@ -396,39 +396,42 @@ def _max_pool(m: nn.Module, x: Any) -> Any:
 
 
 def _module_rule(m: nn.Module) -> Callable[..., Any] | None:
-    """Return ``rule(n, x, weight, bias)`` for a leaf module, or ``None`` if unsupported."""
+    """Return ``rule(n, x, weight, bias)`` for a leaf module, or ``None`` if unsupported.
+
+    Types are matched exactly (a subclass may compute something else); ``type(m) is`` also types the attributes read.
+    """
     t = type(m)
-    if t is nn.Linear:
+    if type(m) is nn.Linear:
         return lambda n, x, w, b: _linear_rule(n, x, w, b)
-    if t in (nn.Conv1d, nn.Conv2d):
+    if type(m) is nn.Conv1d or type(m) is nn.Conv2d:
         if m.padding_mode != "zeros":
             return None
-        conv = F.conv1d if t is nn.Conv1d else F.conv2d
+        conv = F.conv1d if type(m) is nn.Conv1d else F.conv2d
         return lambda n, x, w, b: _conv_rule(conv)(n, x, w, b, m.stride, m.padding, m.dilation, m.groups)
     smooth = {nn.Tanh: series.tanh, nn.Sigmoid: series.sigmoid, nn.SiLU: series.silu, nn.ReLU: series.relu}
     if t in smooth:
         return lambda n, x, w, b: _unary(smooth[t], x, n)
-    if t is nn.GELU and m.approximate == "none":
+    if type(m) is nn.GELU and m.approximate == "none":
         return lambda n, x, w, b: _unary(series.gelu, x, n)
-    if t is nn.Softplus:
+    if type(m) is nn.Softplus:
         return lambda n, x, w, b: _softplus(n, x, m.beta, m.threshold)
-    if t is nn.LeakyReLU:
+    if type(m) is nn.LeakyReLU:
         return lambda n, x, w, b: _unary(series.leaky_relu, x, n, m.negative_slope)
     if t in (nn.Identity, nn.Dropout):
         return lambda n, x, w, b: x
-    if t is nn.Flatten:
+    if type(m) is nn.Flatten:
         return lambda n, x, w, b: per_coefficient(lambda c: c.flatten(m.start_dim, m.end_dim), (x,), {}, False)
-    if t in (nn.MaxPool1d, nn.MaxPool2d):
+    if type(m) is nn.MaxPool1d or type(m) is nn.MaxPool2d:
         return lambda n, x, w, b: _max_pool(m, x)
     if t in (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d):
         return lambda n, x, w, b: per_coefficient(m, (x,), {}, False)
-    if t in (nn.BatchNorm1d, nn.BatchNorm2d) and m.track_running_stats:
+    if (type(m) is nn.BatchNorm1d or type(m) is nn.BatchNorm2d) and m.track_running_stats:
         return lambda n, x, w, b: _batchnorm(n, m, x, w, b)
-    if t is nn.LayerNorm:
+    if type(m) is nn.LayerNorm:
         return lambda n, x, w, b: _layer_norm(n, x, m.normalized_shape, w, b, m.eps)
-    if t is nn.GroupNorm:
+    if type(m) is nn.GroupNorm:
         return lambda n, x, w, b: _group_norm(n, x, m.num_groups, w, b, m.eps)
-    if t is nn.RMSNorm:
+    if type(m) is nn.RMSNorm:
         return lambda n, x, w, b: _rms_norm(n, x, m.normalized_shape, w, m.eps)
     return None
 
@@ -607,7 +610,7 @@ def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int, weights:
     """
     z = _series(logits)
     idx = targets.long().unsqueeze(-1)
-    picked = [(z[k].gather(-1, idx).squeeze(-1) if k < len(z) else None) for k in range(n)]
+    picked = [z[k].gather(-1, idx).squeeze(-1) for k in range(min(n, len(z)))]  # the target's, where z has one
     if n <= 3:
         lse0 = torch.logsumexp(z[0], dim=-1)
         coeffs = [_mean(lse0 - picked[0], weights)]
@@ -625,7 +628,7 @@ def cross_entropy_series(logits: Jet | Tensor, targets: Tensor, n: int, weights:
     shift = z[0].detach().amax(dim=-1, keepdim=True)
     e = series.exp((z[0] - shift, *z[1:]), n)
     lse = series.log(tuple(c.sum(-1) for c in e), n)
-    coeffs = [_mean(lse[k] - picked[k] if picked[k] is not None else lse[k], weights) for k in range(n)]
+    coeffs = [_mean(lse[k] - picked[k] if k < len(picked) else lse[k], weights) for k in range(n)]
     coeffs[0] = coeffs[0] + _mean(shift.squeeze(-1), weights)
     return torch.stack(coeffs)
 
@@ -638,7 +641,8 @@ def mse_series(outputs: Jet | Tensor, targets: Tensor, n: int) -> Tensor:
     return torch.stack(coeffs)
 
 
-LOSS_SERIES = {"cross_entropy": cross_entropy_series, "mse": mse_series}
+LOSS_SERIES: dict[str, Callable[[Jet | Tensor, Tensor, int], Tensor]] = {
+    "cross_entropy": cross_entropy_series, "mse": mse_series}
 
 
 def loss_series(

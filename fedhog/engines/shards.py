@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -43,6 +43,9 @@ from ..protocol import ClientResult
 from ..replies import ReducedCohort, ReductionPlan, reduce_results
 from ..training import direction_seed, select_device
 from .cohort import CohortTrainer, CohortWork, HogSettings
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 BLOCK_CLIENTS = 128  # clients trained as one batch: a block's composition never depends on the number of shards
 Member = tuple[int, int]  # a cohort member: (slot, partition id)
@@ -131,7 +134,7 @@ class CohortShard:
         for k, (slot, partition) in enumerate(block):
             metrics = protocol.train_metrics(partition, examples[k], work.mean_losses[k], work.steps[k])
             term = None
-            if self.hog is not None:
+            if self.hog is not None and work.terms is not None:  # with hog, every client computed its term
                 metrics.update(protocol.third_order_metrics(work.third_order_seconds / len(block), work.term_finite[k],
                                                             peak.as_metrics()))
                 term = work.terms[k] if work.term_finite[k] else None
@@ -180,13 +183,15 @@ class RayShards:
         self.started = not ray.is_initialized()
         if self.started:
             env = {name: os.environ[name] for name in ("FEDHOG_CACHE",) if name in os.environ}
-            local = {} if os.environ.get("RAY_ADDRESS") else {  # a cluster's own configuration decides there
-                "include_dashboard": False,
-                "_system_config": {"automatic_object_spilling_enabled": False}}  # private norms and ξ: not on disk
-            ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, **local)
+            if os.environ.get("RAY_ADDRESS"):  # a cluster's own configuration decides its dashboard and spilling
+                ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env})
+            else:  # private norms and ξ never spill to disk
+                ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, include_dashboard=False,
+                         _system_config={"automatic_object_spilling_enabled": False})
         actor = ray.remote(CohortShard).options(**actor_options(ray.cluster_resources(), config.device, count))
         threads = torch.get_num_threads()
-        self.actors = [actor.remote(config, threads) for _ in range(count)]
+        # Ray's stubs type a remote class as the handle or the class itself; these are handles
+        self.actors = [cast("ActorHandle[CohortShard]", actor.remote(config, threads)) for _ in range(count)]
 
     def shared(self, value: Any) -> Any:
         """``value`` put in Ray's object store once, to pass to every actor (each call resolves it)."""

@@ -37,11 +37,12 @@ from flwr.serverapp import ServerApp
 
 from .. import protocol
 from ..aggregators import aggregator_of
+from ..client_app import TRAIN_REPLIES
 from ..config import ConfigError, RunConfig
 from ..data import dataset_info, training_sizes
 from ..models import build_model, is_factory
 from ..protocol import LocalWork
-from ..replies import CohortReplies, ReducedCohort, ReductionPlan, TrainRequest
+from ..replies import CohortReplies, ReducedCohort, ReductionPlan, TrainRequest, global_model_of, server_round_of
 from ..training import direction_seed
 from .cohort import unbatchable_model_reason
 from .inprocess import InProcessGrid
@@ -156,22 +157,21 @@ class VectorizedRunner:
         """
         if not isinstance(self.shards, LocalShards):
             raise ValueError(f"aggregator={self.config.aggregator!r} trains in this process: it cannot take shards > 1")
-        aggregator = aggregator_of(self.config)
-        arrays = messages[0].content["arrays"]
-        if any(m.content["arrays"] != arrays for m in messages):
+        reply = TRAIN_REPLIES[self.config.aggregator]  # the ClientApp's own reply, as it sends it
+        arrays = global_model_of(messages[0])
+        if any(global_model_of(m) != arrays for m in messages):
             raise ValueError(f"{self.config.aggregator}: the strategy sent different models in one round; "
                              "they cannot train as one batch")
-        server_round = int(messages[0].content["config"][protocol.SERVER_ROUND])
+        server_round = server_round_of(messages[0])
         partitions = [self.partition_of_node[m.metadata.dst_node_id] for m in messages]
         seeds = [direction_seed(self.config.seed, server_round, p) for p in partitions]
         start = arrays.to_torch_state_dict()
         shard = self.shards.shard
         work = shard.work(start, partitions, seeds, None)
         examples = shard.examples(partitions)
-        return [aggregator.reply(message, LocalWork(start, shard.trainer.unflatten(work.updates[k]), None,
-                                                    protocol.train_metrics(p, examples[k], work.mean_losses[k],
-                                                                           work.steps[k])),
-                                 self.config)
+        return [reply(message, LocalWork(start, shard.trainer.unflatten(work.updates[k]), None,
+                                         protocol.train_metrics(p, examples[k], work.mean_losses[k], work.steps[k])),
+                      self.config)
                 for k, (message, p) in enumerate(zip(messages, partitions, strict=True))]
 
     def close(self) -> None:

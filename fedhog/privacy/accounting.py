@@ -34,7 +34,7 @@ from flwr.supercore.privacy_accounting import (
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant  # its home (flwr.serverapp re-exports it)
 
 from ..choices import ACCOUNTANTS
-from .mechanism import SamplerSlack, sampler_slack
+from .sampler_slack import SamplerSlack, sampler_slack
 from .sampling import SamplingKind, expected_cohort_size
 from .schedule import EpsilonSchedule
 
@@ -229,14 +229,16 @@ class ClientLevelAccountant:
             return None
         if self._noise_values is None or releases == 0:
             return SamplerSlack(0.0, 0.0)
-        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, self._projected(releases),
+        _, event = self._accounted()
+        return sampler_slack(event.noise_multiplier, *self._noise_values, releases, self._projected(releases),
                              self.delta)
 
     def _epsilon_slack(self, releases: int) -> float:
         """The sampler's share of ε after ``releases`` releases (it does not depend on ε: no composition)."""
         if self._backend is None or self._noise_values is None or releases == 0:
             return 0.0
-        return sampler_slack(self._event.noise_multiplier, *self._noise_values, releases, 0.0, self.delta).epsilon
+        _, event = self._accounted()
+        return sampler_slack(event.noise_multiplier, *self._noise_values, releases, 0.0, self.delta).epsilon
 
     def plan(self, rounds: int) -> None:
         """Compute ε after each release up to ``rounds`` ahead, in the background (PLD: the same values, off the
@@ -248,7 +250,8 @@ class ClientLevelAccountant:
         """Record one released round."""
         self.releases += 1
         if self._backend is not None:
-            self._backend.compose(self._event)
+            backend, event = self._accounted()
+            backend.compose(event)
 
     def epsilon(self) -> float:
         """ε spent so far at δ (∞ without a guarantee, 0 before any release)."""
@@ -269,7 +272,8 @@ class ClientLevelAccountant:
         slack = self._epsilon_slack(self.releases + 1)
         if self.method == "pld":
             if max_epsilon - slack <= 0 or not self._scheduled:  # the backend refuses a non-positive limit, naming it
-                return self._backend.would_exceed(self._event, max_epsilon - slack)
+                backend, event = self._accounted()
+                return backend.would_exceed(event, max_epsilon - slack)
             return self._projected(self.releases + 1) > max_epsilon - slack
         return self._projected(self.releases + 1) + slack > max_epsilon
 
@@ -281,9 +285,16 @@ class ClientLevelAccountant:
     def _epsilon_after(self, releases: int) -> float:
         """ε after ``releases`` releases of the round's event: one composition with that count (RDP: in constant
         time; Flower's would_exceed replays every event)."""
-        projected = new_backend(self._backend.config, self.method)
-        projected.compose(self._event, count=releases)
+        backend, event = self._accounted()
+        projected = new_backend(backend.config, self.method)
+        projected.compose(event, count=releases)
         return projected.get_epsilon(self.delta)
+
+    def _accounted(self) -> tuple[PrivacyAccountant, GaussianPrivacyEvent]:
+        """The backend and the event it composes each release (callers have checked :attr:`has_guarantee`)."""
+        if self._backend is None or self._event is None:
+            raise RuntimeError("this accountant has no guarantee: it composes nothing")
+        return self._backend, self._event
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""
@@ -292,17 +303,24 @@ class ClientLevelAccountant:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict` output."""
-        self.releases = int(state["releases"])
+        releases, backend = state["releases"], state["backend"]
+        if isinstance(releases, bool) or not isinstance(releases, int) or not isinstance(backend, dict | None):
+            raise ValueError(f"an accountant state holds releases={releases!r} and a backend state of type "
+                             f"{type(backend).__name__}; expected an integer and a dict (or None)")
+        self.releases = releases
         if self._backend is not None:
-            self._backend.load_state_dict(state["backend"])
+            if backend is None:
+                raise ValueError("the accountant state has no backend state, and this accountant has a guarantee")
+            self._backend.load_state_dict(backend)
             self._scheduled = self.method == "pld" and self._ledger_is_own()
 
     def _ledger_is_own(self) -> bool:
         """Whether the backend holds exactly :attr:`releases` releases of this accountant's event, on its grid
         (a restored state could hold others: then ε is the backend's, not the schedule's)."""
-        state = self._backend.state_dict()
-        event = {"noise_multiplier": self._event.noise_multiplier, "sample_size": self._event.sample_size,
-                 "population_size": self._event.population_size}
+        backend, own_event = self._accounted()
+        state = backend.state_dict()
+        event = {"noise_multiplier": own_event.noise_multiplier, "sample_size": own_event.sample_size,
+                 "population_size": own_event.population_size}
         own = [{"event": event, "count": self.releases}] if self.releases else []
         return (state["compositions"] == own
                 and state["value_discretization_interval"] == PLD_VALUE_DISCRETIZATION_INTERVAL)

@@ -57,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .mechanism import LATTICE_BITS
+from .lattice import LATTICE_BITS
 from .randomness import RandomBits, lattice_gaussian
 
 # Andrew et al. use σ_b = K/20 in their experiments: the count then costs little

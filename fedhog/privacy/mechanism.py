@@ -10,15 +10,16 @@ contribution wherever that happens (the trusted server, or each client under
 secure aggregation) and on the aggregate. :data:`MECHANISM_REGISTRY` maps the
 config's ``mechanism`` names to :class:`NoPrivacy` (``none``, FedAvg),
 :class:`GaussianMechanism` (``gaussian``, DP-FedAvg) and :class:`HogMechanism`
-(``hog``); :class:`DistributedGaussian` wraps one of the last two when the
-clients add the noise (``noise = "distributed"``). What every DP mechanism does:
+(``hog``); :class:`~fedhog.secure_aggregation.distributed_noise.DistributedGaussian`
+wraps one of the last two when the clients add the noise (``noise =
+"distributed"``). What every DP mechanism does:
 
 1. :meth:`Mechanism.constrain_sensitivity`, per contribution, in float64::
 
        u_i = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian)
        c_i = clip_C(u_i)                                  ‖c_i‖ ≤ C for any finite input
 
-2. :class:`NoiseLattice`: c_i is rounded onto the lattice g·ℤ^d (g a power of
+2. :class:`~fedhog.privacy.lattice.NoiseLattice`: c_i is rounded onto the lattice g·ℤ^d (g a power of
    two, about 2⁻⁴⁰ of the noise std) and the integers are summed exactly::
 
        S = Σ_i round(c_i / g)        one contribution moves g·S by ≤ C + g√d/2
@@ -44,7 +45,7 @@ which is post-processing of the continuous Gaussian mechanism and so has at
 most its (ε, δ). fedhog's sampler draws N_ℤ(0, σ_ℤ²) up to a factor exp(±η)
 per value (float64 probabilities, each Bernoulli exact for its float:
 :func:`~fedhog.privacy.randomness.sampler_log_ratio_bound`, η ≈ 2.7·10⁻¹³).
-:func:`sampler_slack` turns these per-coordinate factors into what a run adds
+:func:`~fedhog.privacy.sampler_slack.sampler_slack` turns these per-coordinate factors into what a run adds
 to ε (2·T·d·(η + 17/σ_ℤ²), at most 3·10⁻⁴ for 5M parameters over 100 rounds) and
 to δ (the mass beyond 20 σ_ℤ); the accountant adds them to what it reports.
 
@@ -64,23 +65,20 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
-from .randomness import BULK_STDS, RandomBits, lattice_gaussian, sampler_log_ratio_bound, standard_normal
+from .lattice import MAX_CONTRIBUTIONS, NoiseLattice
+from .randomness import RandomBits, lattice_gaussian, standard_normal
 
 if TYPE_CHECKING:
-    from ..secure_aggregation.distributed_noise import DistributedNoise
     from .accounting import Accountant
     from .sampling import SamplingKind
 
-LATTICE_BITS = 40  # g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40): ~2^7 float64 values of the noise per lattice cell
 CLIP_GUARD = 1 - 2.0**-40  # clip a hair inside C, so that float64 rounding of the norm cannot exceed C
-MAX_TAIL_DELTA_SHARE = 0.01  # the sampler's slack may add at most this share of δ
-MAX_CONTRIBUTIONS = 2**21  # |round(c_i / g)| ≤ 2^41 each: the int64 sum of this many cannot overflow
 
 
 @dataclass(frozen=True)
@@ -168,58 +166,16 @@ class RowStats:
     mixing_ratios: tuple[float, ...]  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0: zero term or update; NaN: no mixing)
 
 
-@dataclass(frozen=True)
-class NoiseLattice:
-    """The lattice g·ℤ^d that contributions are rounded onto and the noise lives on.
-
-    Parameters
-    ----------
-    granularity : float
-        g, a power of two.
-    dimension : int
-        d, the length of the flat model vector.
-    rounding_steps : float
-        How far rounding moves a coordinate at most, in steps g: ½ for
-        rounding to nearest (the trusted server), 1 for stochastic rounding
-        (clients under secure aggregation).
-    """
-
-    granularity: float
-    dimension: int
-    rounding_steps: float = 0.5
-
-    @classmethod
-    def for_settings(cls, mechanism: Mechanism, dimension: int) -> NoiseLattice:
-        """The trusted server's lattice for a mechanism's C and σ: g = 2^(⌊log2(max(σ, 1)·C)⌋ − 40), fine against
-        the noise, coarse against float64 spacing."""
-        scale = mechanism.clipping_norm * max(mechanism.noise_multiplier, 1.0)
-        return cls(2.0 ** (math.floor(math.log2(scale)) - LATTICE_BITS), dimension)
-
-    @property
-    def rounding_slack(self) -> float:
-        """g√d/2 (g√d for stochastic rounding): how far rounding onto the lattice can move one contribution (L2)."""
-        return self.granularity * math.sqrt(self.dimension) * self.rounding_steps
-
-    def quantize(self, vector: torch.Tensor) -> torch.Tensor:
-        """round(vector / g) as int64 (|entries| ≤ C/g ≤ 2^41 for a clipped contribution)."""
-        return torch.round(vector.to(torch.float64) / self.granularity).to(torch.int64)
-
-    def sum_std(self, mechanism: Mechanism) -> float:
-        """s = σ·(C + g√d/2): the noise std on the sum, calibrated to its sensitivity."""
-        return mechanism.noise_multiplier * (mechanism.clipping_norm + self.rounding_slack)
-
-
 class Mechanism(ABC):
     """What a round does with its contributions: per contribution, on the sum, and how its releases are accounted.
 
     The strategy, the ClientApp, the engines and the audit ask the mechanism
     (:attr:`wants_term`, :meth:`constrain_sensitivity`, :meth:`add_noise`, ...)
     and never which one it is. Mechanisms are immutable: adaptive clipping runs
-    a round with ``dataclasses.replace(mechanism, clipping_norm=..., noise_multiplier=...)``.
+    a round with :meth:`with_clipping`. Each mechanism class sets :attr:`name`
+    and :attr:`wants_term` as class constants (:data:`MECHANISM_REGISTRY` reads them).
     """
 
-    name: ClassVar[str]  # the config's ``mechanism`` value
-    wants_term: ClassVar[bool] = False  # each client also sends its third-order term t_i
     #: Bounds each contribution (a sensitivity): it can be noised and summed under secure aggregation, and a round
     #: with no accepted contribution still releases (the noise alone: withholding it would tell who replied).
     clips: ClassVar[bool] = True
@@ -227,9 +183,24 @@ class Mechanism(ABC):
     noise_multiplier: float  # σ
 
     @property
+    @abstractmethod
+    def name(self) -> str:
+        """The config's ``mechanism`` value."""
+
+    @property
+    @abstractmethod
+    def wants_term(self) -> bool:
+        """Whether each client also sends its third-order term t_i."""
+
+    @property
     def has_guarantee(self) -> bool:
         """Whether the release is differentially private (ε < ∞)."""
         return self.noise_multiplier > 0.0
+
+    @abstractmethod
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> Mechanism:
+        """This mechanism with clipping norm C = ``clipping_norm`` and σ = ``noise_multiplier``, all else the same
+        (adaptive clipping's round)."""
 
     @abstractmethod
     def describe(self) -> str:
@@ -286,17 +257,19 @@ class Mechanism(ABC):
             raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         lattice = NoiseLattice.for_settings(self, numel)
         total = torch.zeros(numel, dtype=torch.int64)
-        norms, clipped, ratios = [], [], []
+        norms: list[float] = []
+        clipped: list[bool] = []
+        ratios: list[float] = []
         step = rows_per_pass(numel)
         for start in range(0, len(contributions), step):
             chunk = contributions[start:start + step]
-            terms = _stack([c.term for c in chunk], "third-order term") if self.wants_term else None
-            rows, stats = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
-                                                     torch.tensor(xis[start:start + step], dtype=torch.float64))
+            terms = stack_terms(chunk) if self.wants_term else None
+            rows, seen = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
+                                                    torch.tensor(xis[start:start + step], dtype=torch.float64))
             total += lattice.quantize(rows).sum(dim=0)
-            norms += stats.norms_before_clip
-            clipped += stats.clipped
-            ratios += [r for r in stats.mixing_ratios if not math.isnan(r)]
+            norms += seen.norms_before_clip
+            clipped += seen.clipped
+            ratios += [r for r in seen.mixing_ratios if not math.isnan(r)]
         noisy_sum, sum_std = self.add_noise(total, lattice, bits, len(contributions))
         stats = AggregateStats(
             num_contributions=len(contributions),
@@ -317,11 +290,6 @@ class Mechanism(ABC):
         return ClientLevelAccountant(self.noise_multiplier, sampling, sampling_rate, population, delta,
                                      has_guarantee=self.has_guarantee, accountant=method)
 
-    def with_client_noise(self, plan: DistributedNoise) -> DistributedGaussian:
-        """This mechanism with the noise added by the clients, a share each (``noise = "distributed"``)."""
-        return DistributedGaussian(self, plan)
-
-
 @dataclass(frozen=True)
 class NoPrivacy(Mechanism):
     """``none``: plain FedAvg, the example-weighted mean of the updates; no clipping, no noise (ε = ∞).
@@ -332,6 +300,7 @@ class NoPrivacy(Mechanism):
     clipping_norm: float
     noise_multiplier: float = 0.0
     name: ClassVar[str] = "none"
+    wants_term: ClassVar[bool] = False
     clips: ClassVar[bool] = False
 
     @property
@@ -342,6 +311,10 @@ class NoPrivacy(Mechanism):
     def describe(self) -> str:
         """FedAvg, without privacy."""
         return "none: FedAvg (example-weighted mean), no clipping, no noise: ε = ∞"
+
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> NoPrivacy:
+        """The same FedAvg, reporting these C and σ."""
+        return replace(self, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier)
 
     def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
                               xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
@@ -377,11 +350,16 @@ class GaussianMechanism(Mechanism):
     clipping_norm: float
     noise_multiplier: float = 0.0
     name: ClassVar[str] = "gaussian"
+    wants_term: ClassVar[bool] = False
 
     def describe(self) -> str:
         """Clipping and the server's lattice noise."""
         return (f"gaussian: clip each update to C={self.clipping_norm:g}, the server adds discrete Gaussian noise "
                 f"σ={self.noise_multiplier:g} to the lattice sum")
+
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> GaussianMechanism:
+        """This mechanism (its class and γ too) with another C and σ."""
+        return replace(self, clipping_norm=clipping_norm, noise_multiplier=noise_multiplier)
 
     def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
                               xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
@@ -461,78 +439,6 @@ class HogMechanism(GaussianMechanism):
         return out, stats
 
 
-@dataclass(frozen=True)
-class DistributedGaussian(Mechanism):
-    """Distributed noise (``noise = "distributed"``, under SecAgg+): ``inner`` bounds each contribution on its client,
-    each client adds its share of discrete Gaussian noise before masking (:meth:`noise_share`), and the server adds
-    none to the unmasked sum (:meth:`add_noise`). Accounted by the distributed discrete Gaussian's RDP
-    (:class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`).
-    """
-
-    inner: Mechanism
-    plan: DistributedNoise
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        """The inner mechanism's name (the config's ``mechanism``)."""
-        return self.inner.name
-
-    @property
-    def wants_term(self) -> bool:  # type: ignore[override]
-        """Whether the inner mechanism mixes a term in."""
-        return self.inner.wants_term
-
-    @property
-    def clipping_norm(self) -> float:  # type: ignore[override]
-        """The inner mechanism's C."""
-        return self.inner.clipping_norm
-
-    @property
-    def noise_multiplier(self) -> float:  # type: ignore[override]
-        """The config's σ (the clients' σ_l is the plan's)."""
-        return self.inner.noise_multiplier
-
-    @property
-    def has_guarantee(self) -> bool:
-        """Always: the plan's σ_l > 0 (the config refuses distributed noise without a noise level)."""
-        return True
-
-    def describe(self) -> str:
-        """The inner mechanism's per-contribution step, and who adds the noise."""
-        return (f"{self.inner.describe().split(', the server adds')[0]} on each client, which adds its share of "
-                f"noise, N_ℤ(0, σ_l²) with σ_l={self.plan.local_std:.6g} lattice steps; the server adds none")
-
-    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
-                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
-        """The inner mechanism's (on each client)."""
-        return self.inner.constrain_sensitivity(updates, terms, xis)
-
-    def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The inner mechanism's."""
-        return self.inner.xis(stream, population, slots)
-
-    def noise_share(self, levels: np.ndarray, bits: RandomBits) -> np.ndarray:
-        """``levels`` plus this client's share: d draws of N_ℤ(0, σ_l²) from its own stream."""
-        return levels + self.plan.sample(bits)
-
-    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
-                  contributors: int) -> tuple[torch.Tensor, float]:
-        """g·S as it is (every contributor's share is in it), and the std of those shares, √contributors·σ_l·g."""
-        return (lattice_sum.to(torch.float64) * lattice.granularity,
-                math.sqrt(contributors) * self.plan.local_std * lattice.granularity)
-
-    def aggregate(self, contributions: list[Contribution], expected_cohort: float, xis: Sequence[float] | np.ndarray,
-                  bits: RandomBits, numel: int,
-                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, AggregateStats]:
-        """Refused: a trusted server adds its own noise; distributed noise runs under secure aggregation only."""
-        raise ValueError("distributed noise runs under secure aggregation only: the trusted server adds its own noise")
-
-    def accountant(self, sampling: SamplingKind, sampling_rate: float, population: int, delta: float,
-                   method: str) -> Accountant:
-        """The plan's accountant: T releases of the distributed discrete Gaussian (its own RDP, the plan's δ)."""
-        return self.plan.accountant()
-
-
 #: The config's ``mechanism`` names (:data:`fedhog.choices.MECHANISMS`) -> their classes.
 MECHANISM_REGISTRY: dict[str, type[NoPrivacy | GaussianMechanism]] = {
     NoPrivacy.name: NoPrivacy, GaussianMechanism.name: GaussianMechanism, HogMechanism.name: HogMechanism}
@@ -554,50 +460,12 @@ def build_mechanism(name: str, clipping_norm: float, noise_multiplier: float = 0
     return MECHANISM_REGISTRY[name](clipping_norm, noise_multiplier)
 
 
-@dataclass(frozen=True)
-class SamplerSlack:
-    """What drawing the noise with fedhog's sampler, not the accountant's continuous Gaussian, adds to (ε, δ).
-
-    ``epsilon`` is added to the accountant's ε; ``delta`` is what the values
-    beyond the analysed 20 standard deviations (and the factor on the rest)
-    add to δ at the accountant's ε. See the module docstring for the argument.
-    """
-
-    epsilon: float
-    delta: float
-
-
-def sampler_slack(accountant_noise_multiplier: float, std_steps: float, dimension: int, releases: int,
-                  epsilon: float, delta: float) -> SamplerSlack:
-    """The slack of ``releases`` releases of ``dimension`` lattice-noise coordinates of std ``std_steps`` steps.
-
-    Per coordinate and value within 20 σ_ℤ: the sampler's pmf is within
-    exp(±η) of N_ℤ(0, σ_ℤ²) (:func:`sampler_log_ratio_bound`), which is within
-    exp(±17/σ_ℤ²) of round(N(0, σ_ℤ²)) (∫_{−½}^{½} e^{−(2ku+u²)/2σ²}du lies in
-    [e^{−1/8σ²}, e^{k²/24σ⁴}]; the normaliser is 1 + O(e^{−2π²σ²})). Over the
-    whole run's κ = T·d·(η + 17/σ_ℤ² + 3e^{−2π²σ_ℤ²}) this gives, against the
-    accountant's (ε, δ) of the continuous mechanism, (ε + 2κ,
-    e^κ·δ + p·(1 + e^{ε+κ})) with p = T·d·2.7·e^{−(20 − 1/σ)²/2} the chance
-    that a value, or its neighbour's (shifted by at most 1/σ standard
-    deviations, σ the accountant's multiplier), leaves the 20 σ_ℤ window.
-    """
-    if accountant_noise_multiplier <= 0 or releases == 0:
-        return SamplerSlack(0.0, 0.0)
-    per_value = (sampler_log_ratio_bound() + 17 / std_steps**2 + 3 * math.exp(-2 * math.pi**2 * std_steps**2))
-    kappa = releases * dimension * per_value
-    window = BULK_STDS - 1 / accountant_noise_multiplier
-    outside = 1.0 if window <= 0 else min(1.0, releases * dimension * 2.7 * math.exp(-window**2 / 2))
-    try:
-        tail = outside * (1 + math.exp(epsilon + kappa))
-    except OverflowError:
-        tail = math.inf
-    return SamplerSlack(2 * kappa, math.expm1(kappa) * delta + min(1.0, tail))
-
-
-def _stack(tensors: list[torch.Tensor | None], what: str) -> torch.Tensor:
-    if any(t is None for t in tensors):
-        raise ValueError(f"mechanism 'hog' needs a {what} in every contribution")
-    return torch.stack(tensors)
+def stack_terms(contributions: Sequence[Contribution]) -> torch.Tensor:
+    """The contributions' third-order terms as rows ``[R, P]``; ValueError if one has none."""
+    terms = [c.term for c in contributions if c.term is not None]
+    if len(terms) != len(contributions):
+        raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+    return torch.stack(terms)
 
 
 def _mean(values: list[float]) -> float:

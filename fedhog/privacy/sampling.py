@@ -7,11 +7,9 @@ a cohort nobody can predict is what amplification by sampling assumes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
+from ..choices import SamplingKind
 from .randomness import RandomBits, uniform, uniform_below
-
-SamplingKind = Literal["poisson", "fixed"]
 
 
 def poisson_sample(population: Sequence[int], rate: float, bits: RandomBits) -> list[int]:

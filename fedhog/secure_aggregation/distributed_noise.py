@@ -12,14 +12,23 @@ computes the same one and needs nothing secret (or trusted) from the server.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ..privacy.distributed_gaussian import MIN_SHARES, DdgAccounting, DistributedGaussianAccountant, l2_sensitivity
+from ..privacy.lattice import NoiseLattice
+from ..privacy.mechanism import AggregateStats, Contribution, Mechanism, RowStats
 from ..privacy.randomness import RandomBits, discrete_gaussian
 from .quantization import ModularLattice
+
+if TYPE_CHECKING:
+    from ..privacy.accounting import Accountant
+    from ..privacy.sampling import SamplingKind
 
 
 @dataclass(frozen=True)
@@ -116,3 +125,76 @@ def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: i
     lattice = ModularLattice.for_cohort(clipping_norm, cohort, modulus_bits,
                                         noise_std=lambda g: math.sqrt(cohort) * local_std(g))
     return DistributedNoise(lattice, clipping_norm, local_std(lattice.granularity), shares, dimension, delta)
+
+
+@dataclass(frozen=True)
+class DistributedGaussian(Mechanism):
+    """Distributed noise (``noise = "distributed"``, under SecAgg+): ``inner`` bounds each contribution on its client,
+    each client adds its share of discrete Gaussian noise before masking (:meth:`noise_share`), and the server adds
+    none to the unmasked sum (:meth:`add_noise`). Accounted by the distributed discrete Gaussian's RDP
+    (:class:`~fedhog.privacy.distributed_gaussian.DistributedGaussianAccountant`).
+    """
+
+    inner: Mechanism
+    plan: DistributedNoise
+    clipping_norm: float = field(init=False, repr=False, compare=False)  # the inner mechanism's C
+    noise_multiplier: float = field(init=False, repr=False, compare=False)  # the config's σ (σ_l is the plan's)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clipping_norm", self.inner.clipping_norm)
+        object.__setattr__(self, "noise_multiplier", self.inner.noise_multiplier)
+
+    @property
+    def name(self) -> str:
+        """The inner mechanism's name (the config's ``mechanism``)."""
+        return self.inner.name
+
+    @property
+    def wants_term(self) -> bool:
+        """Whether the inner mechanism mixes a term in."""
+        return self.inner.wants_term
+
+    def with_clipping(self, clipping_norm: float, noise_multiplier: float) -> DistributedGaussian:
+        """Refused: the clients' noise plan (σ_l, the lattice) is calibrated to C, so C cannot change in a run."""
+        raise ValueError("distributed noise cannot change its clipping norm: the clients' noise plan is calibrated "
+                         "to it (adaptive clipping runs with a trusted server)")
+
+    @property
+    def has_guarantee(self) -> bool:
+        """Always: the plan's σ_l > 0 (the config refuses distributed noise without a noise level)."""
+        return True
+
+    def describe(self) -> str:
+        """The inner mechanism's per-contribution step, and who adds the noise."""
+        return (f"{self.inner.describe().split(', the server adds')[0]} on each client, which adds its share of "
+                f"noise, N_ℤ(0, σ_l²) with σ_l={self.plan.local_std:.6g} lattice steps; the server adds none")
+
+    def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
+                              xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """The inner mechanism's (on each client)."""
+        return self.inner.constrain_sensitivity(updates, terms, xis)
+
+    def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The inner mechanism's."""
+        return self.inner.xis(stream, population, slots)
+
+    def noise_share(self, levels: np.ndarray, bits: RandomBits) -> np.ndarray:
+        """``levels`` plus this client's share: d draws of N_ℤ(0, σ_l²) from its own stream."""
+        return levels + self.plan.sample(bits)
+
+    def add_noise(self, lattice_sum: torch.Tensor, lattice: NoiseLattice, bits: RandomBits,
+                  contributors: int) -> tuple[torch.Tensor, float]:
+        """g·S as it is (every contributor's share is in it), and the std of those shares, √contributors·σ_l·g."""
+        return (lattice_sum.to(torch.float64) * lattice.granularity,
+                math.sqrt(contributors) * self.plan.local_std * lattice.granularity)
+
+    def aggregate(self, contributions: list[Contribution], expected_cohort: float, xis: Sequence[float] | np.ndarray,
+                  bits: RandomBits, numel: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, AggregateStats]:
+        """Refused: a trusted server adds its own noise; distributed noise runs under secure aggregation only."""
+        raise ValueError("distributed noise runs under secure aggregation only: the trusted server adds its own noise")
+
+    def accountant(self, sampling: SamplingKind, sampling_rate: float, population: int, delta: float,
+                   method: str) -> Accountant:
+        """The plan's accountant: T releases of the distributed discrete Gaussian (its own RDP, the plan's δ)."""
+        return self.plan.accountant()

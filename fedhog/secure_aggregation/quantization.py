@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..choices import MAX_MODULUS_BITS, MIN_MODULUS_BITS
-from ..privacy.mechanism import NoiseLattice
+from ..privacy.lattice import NoiseLattice
 from ..privacy.randomness import RandomBits, uniform
 
 WRAP_STDS = 10  # the range holds the noise of a full cohort to 10 standard deviations

@@ -24,9 +24,9 @@ nothing is unmasked.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
-from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from .. import protocol
@@ -44,6 +43,15 @@ from .distributed_noise import DistributedNoise
 from .graph import share_count, threshold_count
 from .masking import mask
 from .quantization import ModularLattice
+
+T = TypeVar("T")
+
+
+class MessageExchange(Protocol):
+    """What the stages need of a Grid (or of a wrapper around one): messages out, replies back."""
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Send ``messages``; the replies that arrive within ``timeout``."""
 
 
 class SecureAggregationFailed(RuntimeError):
@@ -113,7 +121,7 @@ class _Round:
     bytes_received: int = 0
 
 
-def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimension: int,
+def secure_sum(grid: MessageExchange, nodes: list[int], train_content: RecordDict, dimension: int,
                settings: SecAggSettings, timeout: float, group_id: str) -> SecureSum:
     """Run the four stages with ``nodes``; ``train_content`` (global model, config) goes out with stage 2.
 
@@ -131,12 +139,13 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
     state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=threshold_count(k, settings.threshold),
                    lattice=settings.lattice)
 
-    setup = {Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,
-             Key.CLIPPING_RANGE: float(settings.clipping_norm), Key.TARGET_RANGE: state.lattice.max_level,
-             Key.MOD_RANGE: state.lattice.modulus, Key.MAX_WEIGHT: 1.0}
-    replies = _exchange(grid, state, {node: RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(setup)}) for node in nodes},
-                        timeout, group_id)
-    public_keys = {node: [c[Key.PUBLIC_KEY_1], c[Key.PUBLIC_KEY_2]] for node, c in replies.items()}
+    def setup() -> RecordDict:
+        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
+            Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,
+            Key.CLIPPING_RANGE: float(settings.clipping_norm), Key.TARGET_RANGE: state.lattice.max_level,
+            Key.MOD_RANGE: state.lattice.modulus, Key.MAX_WEIGHT: 1.0})})
+
+    public_keys = _exchange(grid, state, {node: setup() for node in nodes}, timeout, group_id, read=_public_keys)
     _check(state, set(public_keys), "setup")
 
     def share_keys(node: int) -> RecordDict:
@@ -144,12 +153,13 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
         record[Key.STAGE] = Stage.SHARE_KEYS
         return RecordDict({RECORD_KEY_CONFIGS: record})
 
-    replies = _exchange(grid, state, {node: share_keys(node) for node in public_keys}, timeout, group_id)
-    shared = set(replies)
+    ciphertexts = _exchange(grid, state, {node: share_keys(node) for node in public_keys}, timeout, group_id,
+                            read=lambda reply: _pairs(reply, Key.DESTINATION_LIST, int, Key.CIPHERTEXT_LIST))
+    shared = set(ciphertexts)
     _check(state, shared, "share-keys")
     forwarded: dict[int, tuple[list[int], list[bytes]]] = {node: ([], []) for node in shared}
-    for source, reply in replies.items():
-        for destination, ciphertext in zip(reply[Key.DESTINATION_LIST], reply[Key.CIPHERTEXT_LIST], strict=True):
+    for source, pairs in ciphertexts.items():
+        for destination, ciphertext in pairs:
             if destination in forwarded and destination in state.neighbours[source]:
                 forwarded[destination][0].append(source)
                 forwarded[destination][1].append(ciphertext)
@@ -181,10 +191,11 @@ def secure_sum(grid: Grid, nodes: list[int], train_content: RecordDict, dimensio
             Key.ACTIVE_NODE_ID_LIST: sorted(state.neighbours[node] & active),
             Key.DEAD_NODE_ID_LIST: sorted(state.neighbours[node] & dead)})})
 
-    replies = _exchange(grid, state, {node: unmask(node) for node in active}, timeout, group_id)
+    unmasked = _exchange(grid, state, {node: unmask(node) for node in active}, timeout, group_id,
+                         read=lambda reply: _pairs(reply, Key.NODE_ID_LIST, int, Key.SHARE_LIST))
     shares: dict[int, list[bytes]] = {node: [] for node in shared}
-    for reply in replies.values():
-        for owner, share in zip(reply[Key.NODE_ID_LIST], reply[Key.SHARE_LIST], strict=True):
+    for pairs in unmasked.values():
+        for owner, share in pairs:
             if owner in shares:
                 shares[owner].append(share)
     bits = state.lattice.modulus_bits
@@ -232,22 +243,24 @@ def _ring(nodes: list[int], k: int) -> dict[int, set[int]]:
             for i, node in enumerate(order)}
 
 
-def _exchange(grid: Grid, state: _Round, contents: dict[int, RecordDict], timeout: float, group_id: str,
-              read: Callable[[Message], Any] | None = None) -> dict[int, Any]:
-    """Send each node its content; return node -> its reply's config record (or ``read(reply)``), noting dropouts."""
+def _exchange(grid: MessageExchange, state: _Round, contents: dict[int, RecordDict], timeout: float, group_id: str,
+              read: Callable[[Message], T]) -> dict[int, T]:
+    """Send each node its content; return node -> ``read(reply)``, noting dropouts (a reply ``read`` refuses with
+    KeyError, TypeError or ValueError is malformed: its node is dropped)."""
     messages = [Message(content, dst_node_id=node, message_type=MessageType.TRAIN, group_id=group_id)
                 for node, content in contents.items()]
-    answers = {}
+    answers: dict[int, T] = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
         node = reply.metadata.src_node_id
         if node not in contents or node in answers:
             continue
         if reply.has_error():
-            state.dropped[f"node {node}"] = BadReply(Rejection.CLIENT_ERROR, reply.error.reason)
+            state.dropped[f"node {node}"] = BadReply(Rejection.CLIENT_ERROR,
+                                                     reply.error.reason or f"error code {reply.error.code}")
             continue
         state.bytes_received += reply_nbytes(reply.content)
         try:
-            answers[node] = read(reply) if read else reply.content[RECORD_KEY_CONFIGS]
+            answers[node] = read(reply)
         except (KeyError, TypeError, ValueError) as error:
             state.dropped[f"node {node}"] = BadReply(Rejection.MALFORMED, str(error))
     for node in contents:
@@ -256,8 +269,35 @@ def _exchange(grid: Grid, state: _Round, contents: dict[int, RecordDict], timeou
     return answers
 
 
+def _stage_record(reply: Message) -> ConfigRecord:
+    """A stage reply's config record (KeyError when there is none)."""
+    return reply.content.config_records[RECORD_KEY_CONFIGS]
+
+
+def _public_keys(reply: Message) -> list[bytes]:
+    """A setup reply's two public keys."""
+    record = _stage_record(reply)
+    first, second = record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2]
+    if not (isinstance(first, bytes) and isinstance(second, bytes)):
+        raise TypeError("the public keys must be bytes")
+    return [first, second]
+
+
+def _pairs(reply: Message, first: str, kind: type[T], second: str) -> list[tuple[T, bytes]]:
+    """The reply's lists ``first`` (of ``kind``) and ``second`` (of bytes), of equal length, as pairs."""
+    record = _stage_record(reply)
+    keys, values = record[first], record[second]
+    if not (isinstance(keys, list) and isinstance(values, list)):
+        raise TypeError(f"'{first}' and '{second}' must be lists")
+    pairs = [(k, v) for k, v in zip(keys, values, strict=True)  # ValueError when their lengths differ
+             if isinstance(k, kind) and not isinstance(k, bool) and isinstance(v, bytes)]
+    if len(pairs) != len(keys):
+        raise TypeError(f"'{first}' and '{second}' must hold {kind.__name__} and bytes")
+    return pairs
+
+
 def _masked_vector(reply: Message, lattice: ModularLattice, dimension: int) -> np.ndarray:
-    array = reply.content[protocol.MASKED][protocol.MASKED].numpy()
+    array = reply.content.array_records[protocol.MASKED][protocol.MASKED].numpy()
     if array.dtype != lattice.wire_dtype or array.shape != (dimension,):
         raise ValueError(f"the masked vector is {array.dtype}{list(array.shape)}, expected "
                          f"{lattice.wire_dtype}[{dimension}]")

@@ -92,8 +92,8 @@ class Tuning:
 
     def grid_for(self, variant: dict[str, Any] | None) -> dict[str, list[Any]]:
         """The keys tuned for a variant: the shared grid and its own, less the keys it sets itself."""
-        name = variant["name"] if variant else None
-        keys = {**self.grid, **self.per_variant.get(name, {})}  # type: ignore[arg-type]
+        own = self.per_variant.get(variant["name"], {}) if variant else {}
+        keys = {**self.grid, **own}
         return {k: v for k, v in keys.items() if variant is None or k not in variant}
 
 
