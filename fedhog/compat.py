@@ -16,6 +16,12 @@ No other fedhog module imports a private Flower or Opacus name (the test scans).
   on push (Flower's ``Metadata`` has no setter; :mod:`fedhog.engines.inprocess`).
 - :func:`opacus_processed_flags`: Opacus' check that a clipped-gradient sum is not
   used twice, for fedhog's lattice-noise DP optimizer (:mod:`fedhog.dpsgd`).
+- :func:`zero_updates_pass_flowers_clipping`: Flower's server-side fixed clipping
+  (``flwr.serverapp.strategy.dp_fixed_clipping.compute_clip_model_update``)
+  divides by the update's norm, so one client whose update is zero (training that
+  left its model unchanged, as a diverged model's can) crashes the round with
+  ``ZeroDivisionError`` (flwrlabs/flower PR #7631, open); the flower-dp baseline
+  runs inside it (:mod:`fedhog.flower_baseline`).
 - :func:`partition_indices`: every client's rows as flwr-datasets' Dirichlet and
   pathological partitioners assigned them, read without a ``Dataset.select`` per
   client (:mod:`fedhog.data`; ≈ 2 ms each, 20 s of the quickstart's 10 000 clients).
@@ -23,12 +29,16 @@ No other fedhog module imports a private Flower or Opacus name (the test scans).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 from flwr.client.mod.secure_aggregation.secaggplus_mod import _setup as secaggplus_setup
 from flwr.client.mod.secure_aggregation.secaggplus_mod import _share_keys as secaggplus_share_keys
 from flwr.client.mod.secure_aggregation.secaggplus_mod import _unmask as secaggplus_unmask
+from flwr.serverapp.strategy import dp_fixed_clipping
+from flwr.supercore.differential_privacy import get_norm
 from flwr.supercore.privacy_accounting.rdp_accountant import _parse_compositions as parse_compositions
 from flwr.supercore.privacy_accounting.rdp_accountant import _parse_config as parse_config
 from flwr.supercore.privacy_accounting.rdp_accountant import _validate_count as validate_count
@@ -44,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["opacus_processed_flags", "parse_compositions", "parse_config", "partition_indices",
            "secaggplus_setup", "secaggplus_share_keys", "secaggplus_unmask", "stamp_message", "validate_count",
-           "validate_delta", "validate_epsilon", "validate_positive_epsilon"]
+           "validate_delta", "validate_epsilon", "validate_positive_epsilon", "zero_updates_pass_flowers_clipping"]
 
 
 def stamp_message(message: Message, message_id: str, run_id: int) -> None:
@@ -71,3 +81,27 @@ def partition_indices(partitioner: object) -> list[list[int]] | None:
     """
     indices = getattr(partitioner, "_partition_id_to_indices", None)
     return [indices[i] for i in range(len(indices))] if indices else None
+
+
+@contextlib.contextmanager
+def zero_updates_pass_flowers_clipping() -> Iterator[None]:
+    """Within it, Flower's server-side fixed clipping leaves an update of norm 0 as it is instead of dividing by 0.
+
+    A zero update has nothing to clip (min(1, C/‖Δ‖) is 1 as ‖Δ‖ → 0), which is what flwrlabs/flower PR #7631
+    proposes; every other update goes through Flower's own function unchanged.
+    """
+    flowers = dp_fixed_clipping.compute_clip_model_update
+
+    def clip(param1: list[np.ndarray], param2: list[np.ndarray], clipping_norm: float) -> None:
+        update = [np.subtract(new, old) for new, old in zip(param1, param2, strict=True)]
+        if get_norm(update) > 0:
+            flowers(param1, param2, clipping_norm)
+            return
+        for i, old in enumerate(param2):  # Flower's own arithmetic at the scale 1 (nothing to clip)
+            param1[i] = old + update[i]
+
+    dp_fixed_clipping.compute_clip_model_update = clip
+    try:
+        yield
+    finally:
+        dp_fixed_clipping.compute_clip_model_update = flowers

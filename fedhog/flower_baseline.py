@@ -6,7 +6,9 @@ accepts for accounting — ``SamplingMethod.NO_AMPLIFICATION`` (add/remove one),
 exactly K = q·N replies a round, equal client weights. Each round FedAvg samples
 K clients uniformly without replacement, the wrapper clips every reply's change
 of the model to the clipping norm, averages, and adds N(0, (σ·clip/K)²) from
-NumPy's global generator.
+NumPy's global generator. One guard: a client whose update is zero passes the
+clipping as it is (Flower's divides by its norm and crashes the round;
+:func:`~fedhog.compat.zero_updates_pass_flowers_clipping`).
 
 **Same update rule as fedhog.** Accounted mode refuses any strategy that
 overrides ``FedAvg.aggregate_train``, so the server step is plain averaging
@@ -35,6 +37,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping, 
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from . import protocol
+from .compat import zero_updates_pass_flowers_clipping
 from .config import RunConfig
 from .privacy.calibration import unamplified_privacy_config
 from .replies import metric_record
@@ -131,8 +134,9 @@ def run_flower_dp(
     log(INFO, "flower-dp baseline: %r, σ=%.6g, clip η·C=%.6g, K=%d of N=%d, RdpAccountant (no amplification)",
         strategy, config.noise_multiplier, strategy.clipping_norm, cohort, config.population)
     try:
-        strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
-                       evaluate_fn=record_round)
+        with zero_updates_pass_flowers_clipping():  # a client whose model did not move would crash Flower's round
+            strategy.start(grid, initial, num_rounds=config.rounds, timeout=config.round_timeout,
+                           evaluate_fn=record_round)
     except PrivacyBudgetExhausted as stop:
         log(WARNING, "flower-dp baseline stopped: %s", stop)
     return latest, accountant.get_epsilon(config.delta)

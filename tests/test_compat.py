@@ -162,3 +162,29 @@ def test_the_scan_finds_private_uses(tmp_path: Path) -> None:
                       "import flwr._internal\nx.metadata.__dict__['_run_id'] = 1\n")
     assert private_uses(module) == ["m.py:2 from opacus.optimizers.optimizer import _check_processed_flag",
                                     "m.py:3 import flwr._internal", "m.py:4 x.metadata.__dict__['_run_id']"]
+
+
+def test_flowers_clipping_still_divides_by_a_zero_norm_and_the_guard_passes_zero_updates_only():
+    """Flower's fixed clipping raises on an update of norm 0 (flwrlabs/flower PR #7631): when an upgrade fixes it,
+    this fails and compat.zero_updates_pass_flowers_clipping can go. Inside the guard a zero update passes as it
+    is, any other is clipped by Flower's own function (the same bits), and the guard restores Flower's function."""
+    from flwr.serverapp.strategy import dp_fixed_clipping
+
+    flowers = dp_fixed_clipping.compute_clip_model_update
+    old = [np.ones((3, 2), np.float32), np.full(4, -2.0, np.float32)]
+    with pytest.raises(ZeroDivisionError):
+        flowers([a.copy() for a in old], old, 0.5)
+    expected = [a + np.float32(3.0) for a in old]
+    flowers(expected, old, 0.5)
+    with compat.zero_updates_pass_flowers_clipping():
+        unchanged = [a.copy() for a in old]
+        dp_fixed_clipping.compute_clip_model_update(unchanged, old, 0.5)
+        moved = [a + np.float32(3.0) for a in old]
+        dp_fixed_clipping.compute_clip_model_update(moved, old, 0.5)
+    assert dp_fixed_clipping.compute_clip_model_update is flowers
+    for got, want in zip(unchanged, old, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(moved, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert math.isclose(float(np.sqrt(sum(np.sum((m - o) ** 2) for m, o in zip(moved, old, strict=True)))), 0.5,
+                        rel_tol=1e-5)

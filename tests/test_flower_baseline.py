@@ -107,3 +107,13 @@ def test_the_baselines_aggregator_fixes_only_config_keys_and_its_runs_cannot_be_
     ResultsWriter(Path(config.results_dir), config).update(status="interrupted", rounds=[{"round": 1}])
     assert cli.main(["run", "--resume", config.results_dir]) == 2
     assert "aggregator='flower-dp' writes no checkpoints, so its runs cannot be resumed" in capsys.readouterr().err
+
+
+def test_a_client_whose_model_did_not_move_does_not_crash_flowers_round(tmp_path):
+    """A zero update (here: a learning rate that rounds every step to 0 in float32) made Flower's clipping divide
+    by its norm (ZeroDivisionError: a diverged digits cell of the issue-21 sweep died so). It is released as a zero
+    contribution: the model moves by the noise alone, and every round is accounted."""
+    metrics, _ = _run(tmp_path, **BASELINE, **{"target-epsilon": 4.0, "learning-rate": 1e-46})
+    assert metrics["status"] == "finished"
+    assert [r["clients_accepted"] for r in metrics["rounds"]] == [4, 4, 4]
+    assert metrics["rounds"][-1]["epsilon"] <= 4.0
