@@ -6,7 +6,7 @@ import io
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ def save_checkpoint(directory: Path, checkpoint: Checkpoint) -> Path:
     writing, or of the round before.
     """
     buffer = io.BytesIO()
-    torch.save(asdict(checkpoint), buffer)
+    torch.save({f.name: getattr(checkpoint, f.name) for f in fields(checkpoint)}, buffer)  # asdict would copy it all
     path = directory / CHECKPOINT
     if path.exists():
         _keep_previous(path, directory / PREVIOUS)

@@ -265,8 +265,9 @@ def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tupl
         if stop_requested(writer.directory):  # the launcher is stopping the clients: this round is not the run's
             raise KeyboardInterrupt("stopped by its launcher")
         diagnose(record, arrays)
-        model, accountant, server_optimizer, adaptive_clipping = copy.deepcopy((
-            arrays.to_torch_state_dict(), strategy.accountant.state_dict(), strategy.server_optimizer.state_dict(),
+        model = arrays.to_torch_state_dict()  # fresh tensors, read from the record's bytes: no copy
+        accountant, server_optimizer, adaptive_clipping = copy.deepcopy((
+            strategy.accountant.state_dict(), strategy.server_optimizer.state_dict(),
             None if strategy.adaptive_clipping is None else strategy.adaptive_clipping.state_dict()))
         shown, client_metrics, logged = copy.deepcopy(record), list(strategy.client_metrics), len(rows)
 

@@ -83,7 +83,10 @@ def local_batches(num_examples: int, epochs: int, batch_size: int, seed: int) ->
     split into ⌈n/B⌉ nearly equal batches (the order every engine trains a client in)."""
     order_rng = np.random.default_rng(seed)
     splits = max(1, -(-num_examples // batch_size))
-    return [np.array_split(order_rng.permutation(num_examples), splits) for _ in range(epochs)]
+    size, longer = divmod(num_examples, splits)  # np.array_split's cut: the first ``longer`` batches one longer
+    bounds = [i * size + min(i, longer) for i in range(splits + 1)]
+    return [[order[bounds[i]:bounds[i + 1]] for i in range(splits)]
+            for order in (order_rng.permutation(num_examples) for _ in range(epochs))]
 
 
 def hog_rows(num_examples: int, hog_batch_size: int, seed: int) -> np.ndarray:
@@ -150,10 +153,23 @@ def evaluate_metrics(model: nn.Module, data: ArrayData, names: tuple[str, ...] =
 
 
 def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """A direction uniform on the unit sphere of the parameter space, from ``seed``."""
+    """A direction uniform on the unit sphere of the parameter space, from ``seed``: :func:`random_unit_vector`
+    cut into ``like``'s tensors (in order), each in its dtype and on its device."""
+    flat = random_unit_vector(sum(v.numel() for v in like.values()), seed)
+    first = next(iter(like.values()), flat)
+    if all(v.dtype == first.dtype and v.device == first.device for v in like.values()):
+        flat = flat.to(dtype=first.dtype, device=first.device)  # one conversion; the pieces are views of it
+    pieces = flat.split([v.numel() for v in like.values()])
+    return {k: piece.view(v.shape).to(dtype=v.dtype, device=v.device) for (k, v), piece in zip(like.items(), pieces,
+                                                                                             strict=True)}
+
+
+def random_unit_vector(numel: int, seed: int) -> torch.Tensor:
+    """``numel`` float32 standard normals from torch's generator seeded with ``seed``, scaled to unit norm in float64
+    (torch draws float64 normals 8x slower: 170 µs for 7 460 of them)."""
     generator = torch.Generator().manual_seed(seed)
-    raw = {k: torch.randn(v.shape, generator=generator, dtype=torch.float64) for k, v in like.items()}
-    return _normalised(raw, like)
+    flat = torch.randn(numel, generator=generator, dtype=torch.float32).double()
+    return flat.div_(torch.linalg.vector_norm(flat))
 
 
 def unit_direction(vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

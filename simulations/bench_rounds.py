@@ -45,6 +45,7 @@ Usage::
     python simulations/bench_rounds.py --json     # {"rows": [...], "rss_over_rounds": [...]}
     python simulations/bench_rounds.py --quick    # fewer rounds, population 1 000 only
     python simulations/bench_rounds.py --full     # adds Flower's Simulation Engine
+    python simulations/bench_rounds.py --core --repeat 3  # the engine rows only, 3 passes round-robin
     python simulations/bench_rounds.py --activations [gelu silu] [--quick]  # the round per activation vs tanh
     python simulations/bench_rounds.py --activations gelu --normalizations none ws group-ws --quick
 """
@@ -198,6 +199,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, population 1 000 only")
     parser.add_argument("--full", action="store_true", help="also Flower's Simulation Engine")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each run (default 1)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="passes over the engine rows, round-robin (a row's figure: the median of its passes; "
+                        "ratios: each pass's), so a drift of the machine's load falls on every row alike")
+    parser.add_argument("--core", action="store_true", help="the engine rows only (model x mechanism x engine)")
     parser.add_argument("--activations", nargs="*", metavar="NAME",
                         help="only the vectorized rows, once per activation (all when none is named; tanh always), "
                         "each against tanh's")
@@ -216,32 +221,38 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedhog-bench-") as work:
         workdir = Path(work)
-        for model in ("mlp", "cnn1d"):
-            for mechanism in ("gaussian", "hog"):
-                for engine in engines:
-                    result = measure(engine, {"model": model, "mechanism": mechanism}, rounds, args.threads, workdir)
-                    rows.append({"engine": engine, "model": model, "mechanism": mechanism, "population": 1000,
-                                 "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
-                                 "all_in_seconds_per_round": result.get("all_in_seconds_per_round"),
-                                 "all_in_over_training_and_mechanism":
-                                     result.get("all_in_over_training_and_mechanism"),
-                                 "peak_rss_mib": result["peak_rss_mib"]})
-                    _progress(rows[-1], args.json)
-        for engine in engines[:2]:  # the same MLP round with RDP: what the engines cost without PLD's per-round ε
+        passes: list[list[dict]] = []
+        for _ in range(args.repeat):
+            passes.append([])
+            for model in ("mlp", "cnn1d"):
+                for mechanism in ("gaussian", "hog"):
+                    for engine in engines:
+                        result = measure(engine, {"model": model, "mechanism": mechanism}, rounds, args.threads,
+                                         workdir)
+                        passes[-1].append({"engine": engine, "model": model, "mechanism": mechanism,
+                                           "population": 1000, "cohort": 100, "shards": 1,
+                                           "seconds_per_round": result["seconds_per_round"],
+                                           "all_in_seconds_per_round": result.get("all_in_seconds_per_round"),
+                                           "all_in_over_training_and_mechanism":
+                                               result.get("all_in_over_training_and_mechanism"),
+                                           "peak_rss_mib": result["peak_rss_mib"]})
+                        _progress(passes[-1][-1], args.json)
+        rows += _median_rows(passes)
+        for engine in () if args.core else engines[:2]:  # the MLP round with RDP: the engines without PLD's ε
             result = measure(engine, {"model": "mlp", "mechanism": "gaussian", "accountant": "rdp"}, rounds,
                              args.threads, workdir)
             rows.append({"engine": engine, "model": "mlp", "mechanism": "gaussian (rdp)", "population": 1000,
                          "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
-        for shards in (2,):  # the same cohorts split over Ray actors (2 cores: not faster, reported as measured)
+        for shards in () if args.core else (2,):  # the cohorts split over Ray actors (2 cores: not faster)
             result = measure("vectorized", {"model": "mlp", "mechanism": "gaussian", "shards": shards}, rounds,
                              args.threads, workdir)
             rows.append({"engine": "vectorized", "model": "mlp", "mechanism": "gaussian", "population": 1000,
                          "cohort": 100, "shards": shards, "seconds_per_round": result["seconds_per_round"],
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
-        for population in () if args.quick else (10_000, 100_000):
+        for population in () if args.quick or args.core else (10_000, 100_000):
             scale = {"model": "mlp", "mechanism": "gaussian", "population": population, "partitioner": "iid",
                      "sampling-rate": 100 / population, "num-samples": EXAMPLES_PER_CLIENT * population,
                      "delta": 0.1 / population}  # δ must stay below 1/N
@@ -250,7 +261,7 @@ def main() -> None:
                          "cohort": 100, "shards": 1, "seconds_per_round": result["seconds_per_round"],
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
-        for population, cohort in () if args.quick else ((MILLION, MILLION // 100),):
+        for population, cohort in () if args.quick or args.core else ((MILLION, MILLION // 100),):
             million = {"dataset": "synthetic-large", "model": "mlp", "mechanism": "gaussian", "population": population,
                        "sampling-rate": cohort / population, "delta": 0.1 / population, "privacy-seed": -1}
             result = measure("vectorized", million, 3, args.threads, workdir)
@@ -259,12 +270,15 @@ def main() -> None:
                          "peak_rss_mib": result["peak_rss_mib"]})
             _progress(rows[-1], args.json)
         long_rounds = 60 if args.quick else 500
-        long = measure("vectorized", {"model": "mlp", "mechanism": "gaussian"}, long_rounds, args.threads, workdir)
-        rss_over_rounds = [{"round": r, "rss_mib": m} for r, m in long["rss"] if r % (long_rounds // 10) == 0]
+        rss_over_rounds = []
+        if not args.core:
+            long = measure("vectorized", {"model": "mlp", "mechanism": "gaussian"}, long_rounds, args.threads, workdir)
+            rss_over_rounds = [{"round": r, "rss_mib": m} for r, m in long["rss"] if r % (long_rounds // 10) == 0]
     if args.json:
-        print(json.dumps({"rows": rows, "rss_over_rounds": rss_over_rounds}, indent=2))
+        print(json.dumps({"rows": rows, "passes": passes, "rss_over_rounds": rss_over_rounds}, indent=2))
         return
-    print(f"torch threads per run: {args.threads}; median of rounds 2..{rounds}\n")
+    print(f"torch threads per run: {args.threads}; median of rounds 2..{rounds}"
+          + (f"; engine rows: median of {args.repeat} passes, round-robin" if args.repeat > 1 else "") + "\n")
     print("| engine | model | mechanism | population | cohort | shards | ms / round | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -276,18 +290,39 @@ def main() -> None:
         if row.get("all_in_over_training_and_mechanism"):
             print(f"- {row['model']} {row['mechanism']}: {row['all_in_seconds_per_round'] * 1e3:.1f} ms all-in, "
                   f"{row['all_in_over_training_and_mechanism']:.2f}×")
-    print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism):")
+    print("\nspeed-up of the vectorized engine over inprocess (same model and mechanism; each pass's):")
     for model, mechanism in (("mlp", "gaussian"), ("mlp", "hog"), ("cnn1d", "gaussian"), ("cnn1d", "hog"),
                              ("mlp", "gaussian (rdp)")):
-        pick = {r["engine"]: r["seconds_per_round"] for r in rows
-                if r["model"] == model and r["mechanism"] == mechanism and r["population"] == 1000 and r["shards"] == 1}
-        print(f"- {model} {mechanism}: {pick['inprocess'] / pick['vectorized']:.1f}×")
+        ratios = [_pick(rows_of, "engine", model=model, mechanism=mechanism)
+                  for rows_of in ([rows] if mechanism.endswith("(rdp)") else passes)]
+        if all("inprocess" in pick for pick in ratios):
+            print(f"- {model} {mechanism}: " + ", ".join(f"{p['inprocess'] / p['vectorized']:.1f}×" for p in ratios))
     for model in ("mlp", "cnn1d"):
-        pick = {r["mechanism"]: r["seconds_per_round"] for r in rows
-                if r["model"] == model and r["engine"] == "vectorized" and r["population"] == 1000 and r["shards"] == 1}
-        print(f"- vectorized {model}: a hog round costs {pick['hog'] / pick['gaussian']:.2f}× a gaussian round")
-    print(f"\nRSS of one vectorized run over {long_rounds} rounds (MiB): "
-          + ", ".join(f"round {p['round']}: {p['rss_mib']:.0f}" for p in rss_over_rounds))
+        ratios = [_pick(rows_of, "mechanism", model=model, engine="vectorized") for rows_of in passes]
+        print(f"- vectorized {model}: a hog round costs "
+              + ", ".join(f"{p['hog'] / p['gaussian']:.2f}×" for p in ratios) + " a gaussian round")
+    if rss_over_rounds:
+        print(f"\nRSS of one vectorized run over {long_rounds} rounds (MiB): "
+              + ", ".join(f"round {p['round']}: {p['rss_mib']:.0f}" for p in rss_over_rounds))
+
+
+def _median_rows(passes: list[list[dict]]) -> list[dict]:
+    """One row per configuration: the first pass's row with the medians of its passes' figures."""
+    rows = []
+    for k, first in enumerate(passes[0]):
+        row = dict(first)
+        for key in ("seconds_per_round", "all_in_seconds_per_round", "all_in_over_training_and_mechanism",
+                    "peak_rss_mib"):
+            values = [p[k][key] for p in passes if p[k].get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def _pick(rows: list[dict], by: str, **where: str) -> dict[str, float]:
+    """``seconds_per_round`` of the population-1000, one-shard rows matching ``where``, keyed by their ``by``."""
+    return {r[by]: r["seconds_per_round"] for r in rows
+            if all(r[k] == v for k, v in where.items()) and r["population"] == 1000 and r["shards"] == 1}
 
 
 def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], normalizations: list[str]) -> None:

@@ -178,3 +178,39 @@ def test_forward_hooks_are_not_skipped():
     finally:
         handle.remove()
     assert third_order_vector(model, x, y, v).method == "taylor"  # traced again once the hook is gone
+
+
+@pytest.mark.parametrize("coefficients", [2, 3])
+def test_gelu_order_two_in_closed_form_matches_the_derivatives_of_gelu(coefficients):
+    """GeluOrderTwo's coefficients and reverse pass against autograd's derivatives of F.gelu along s (float64).
+
+    y(s) = gelu(z₀ + z₁s + z₂s²): y₁ = y′(0), y₂ = y″(0)/2, by nested autograd through torch's own GELU; the
+    reverse pass against autograd through those same derivatives."""
+    from fedhog.derivatives import series
+
+    torch.manual_seed(0)
+    z = [torch.randn(4, 6, dtype=torch.float64) * (3.0 if k == 0 else 1.0) for k in range(coefficients)]
+    weights = [torch.randn(4, 6, dtype=torch.float64) for _ in range(3)]
+
+    def reference(*z: torch.Tensor) -> list[torch.Tensor]:
+        s = torch.zeros((), dtype=torch.float64)
+        y1 = torch.autograd.functional.jacobian(lambda t: F.gelu(sum(c * t**k for k, c in enumerate(z))), s,
+                                                create_graph=True)
+        y2 = torch.autograd.functional.jacobian(
+            lambda t: torch.autograd.functional.jacobian(
+                lambda u: F.gelu(sum(c * u**k for k, c in enumerate(z))), t, create_graph=True), s,
+            create_graph=True) / 2
+        return [F.gelu(z[0]), y1, y2]
+
+    leaves = [c.clone().requires_grad_() for c in z]
+    fast = series.gelu(tuple(leaves), 3)
+    assert torch.is_grad_enabled()
+    expected_leaves = [c.clone().requires_grad_() for c in z]
+    expected = reference(*expected_leaves)
+    for got, want in zip(fast, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got_grads = torch.autograd.grad(sum((y * w).sum() for y, w in zip(fast, weights, strict=True)), leaves)
+    want_grads = torch.autograd.grad(sum((y * w).sum() for y, w in zip(expected, weights, strict=True)),
+                                     expected_leaves)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -7,6 +7,7 @@ import threading
 import pytest
 from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
+from fedhog.privacy import schedule as schedule_module
 from fedhog.privacy.accounting import PLD_VALUE_DISCRETIZATION_INTERVAL, ClientLevelAccountant, privacy_config
 from fedhog.privacy.pld import PldAccountant
 from fedhog.privacy.schedule import LOOKAHEAD, EpsilonSchedule
@@ -122,3 +123,19 @@ def test_a_failing_worker_hands_the_error_to_the_caller() -> None:
     with pytest.raises(ArithmeticError, match="failed at 2"):
         schedule(2)
     assert schedule(3) == 3.0  # the worker stopped; the caller computes the rest
+
+
+def test_one_worker_computes_a_run_of_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker waits for the next values instead of ending: the rounds start no thread each."""
+    monkeypatch.setattr(schedule_module, "IDLE_SECONDS", 5.0)  # far longer than these rounds
+    workers: list[threading.Thread] = []  # the threads themselves, kept: no two compare equal
+
+    def epsilon_after(n: int) -> float:
+        workers.append(threading.current_thread())
+        return float(n)
+
+    schedule = EpsilonSchedule(epsilon_after)
+    schedule.plan(1, 30)
+    assert [schedule(n) for n in range(1, 31)] == [float(n) for n in range(1, 31)]
+    assert len(workers) == 30 and threading.current_thread() not in workers  # each once, none by the caller
+    assert len(set(workers)) == 1

@@ -11,7 +11,7 @@ import torch
 from fedhog.data import ArrayData, load_digits
 from fedhog.derivatives import third_order_step_size
 from fedhog.models import build_model
-from fedhog.training import evaluate, random_direction, train_locally, unit_direction
+from fedhog.training import evaluate, local_batches, random_direction, train_locally, unit_direction
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +84,15 @@ def test_directions_are_unit_and_seeded():
     assert unit_direction({k: torch.zeros_like(t) for k, t in like.items()}) is None
     scaled = unit_direction({k: 7 * t for k, t in v.items()})
     assert all(torch.allclose(scaled[k], v[k], atol=1e-6) for k in like)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 10, 32])
+def test_local_batches_are_the_seeds_permutations_cut_as_numpy_array_split(batch_size):
+    """The order every engine trains a client in: ⌈n/B⌉ nearly equal batches of each epoch's permutation."""
+    for num_examples in range(70):
+        seed = 1000 * batch_size + num_examples
+        rng = np.random.default_rng(seed)
+        expected = [np.array_split(rng.permutation(num_examples), max(1, -(-num_examples // batch_size)))
+                    for _ in range(2)]
+        got = local_batches(num_examples, 2, batch_size, seed)
+        assert [[b.tolist() for b in epoch] for epoch in got] == [[b.tolist() for b in epoch] for epoch in expected]

@@ -8,9 +8,12 @@ parameters are stacked ``[K, …]`` and every step is one
 batched forward (``torch.func.vmap`` over the clients) and one backward; the third-order terms are one
 vmapped Taylor-mode forward and one backward (:meth:`CohortTrainer._third_order_terms`). Clients have different
 numbers of examples, so step s gathers each client's s-th minibatch padded to
-the longest with a mask: padded examples weigh nothing, and a client whose
-minibatches have run out takes no step (neither parameters nor momentum
-move), so every client takes exactly the steps of the per-client loop. The
+the longest with a mask (padded examples weigh nothing), and only the clients
+that still have a minibatch compute and step: the clients are ordered by their
+number of steps, most first (they all start from the same model, so the order
+costs nothing), and step s trains the first ones as a slice of the stacked
+parameters, so every client takes exactly the steps of the per-client loop
+and none computes a step it does not take. The
 results equal the ClientApp's up to floating-point reassociation inside the
 batched kernels.
 
@@ -30,7 +33,14 @@ from torch.func import functional_call, grad, jvp, vmap
 from ..derivatives import Unsupported
 from ..derivatives.taylor import TaylorProgram, cross_entropy_series, program_for
 from ..layout import flatten, unflatten
-from ..training import control_term_seed, hog_rows, local_batches, random_direction, unit_direction
+from ..training import (
+    control_term_seed,
+    hog_rows,
+    local_batches,
+    random_direction,
+    random_unit_vector,
+    unit_direction,
+)
 
 TERM_CLIENTS_PER_PASS = 64
 """Clients whose third-order terms one vmapped pass computes. It bounds the pass's memory in a large cohort;
@@ -186,35 +196,44 @@ class CohortTrainer:
         """Train every client of the cohort from ``global_state``; with ``hog``, also their third-order terms."""
         start = {k: v.to(self.device) for k, v in global_state.items()}
         cohort = len(partitions)
+        index, mask, steps = self._step_plan(partitions, seeds, epochs, batch_size)
+        # Row r of the stacked parameters is client order[r]: most steps first, so the clients that take step s are
+        # the first training[s] rows, a slice (every client starts from the same model: the order costs nothing).
+        order = np.argsort(-steps, kind="stable")
+        training = (steps[order][None, :] > np.arange(index.shape[0])[:, None]).sum(axis=1).tolist()
+        rows = torch.as_tensor(order, device=self.device)
+        index, mask = index[:, rows], mask[:, rows]
         params = {k: v.unsqueeze(0).expand(cohort, *v.shape).clone() for k, v in start.items()}
         velocity: dict[str, torch.Tensor] = {}
-        index, mask, active = self._step_plan(partitions, seeds, epochs, batch_size)
         total_loss = torch.zeros(cohort, dtype=torch.float64, device=self.device)
-        for step in range(index.shape[0]):
-            gradients, loss = self._losses_and_gradients(params, self.x[index[step]], self.y[index[step]], mask[step])
-            moving = active[step]
-            everyone = bool(moving.all())  # then no client needs holding back
-            total_loss += torch.where(moving, loss.double(), torch.zeros_like(total_loss))
+        for step, active in enumerate(training):
+            gradients, loss = self._losses_and_gradients({k: v[:active] for k, v in params.items()},
+                                                         self.x[index[step, :active]], self.y[index[step, :active]],
+                                                         mask[step, :active])
+            total_loss[:active] += loss.double()
             for key, gradient in gradients.items():
                 if momentum > 0:  # torch.optim.SGD: v ← g on the first step, then v ← μ·v + g
-                    fresh = gradient if step == 0 else momentum * velocity[key] + gradient
-                    velocity[key] = fresh if everyone else _where_rows(moving, fresh, velocity[key])
-                    gradient = velocity[key]
-                stepped = params[key] - learning_rate * gradient
-                params[key] = stepped if everyone else _where_rows(moving, stepped, params[key])
-        steps = active.sum(dim=0)
-        updates = torch.cat([(params[k] - start[k]).reshape(cohort, -1) for k in self.keys], dim=1)
+                    if step == 0:
+                        velocity[key] = gradient
+                    else:
+                        velocity[key][:active].mul_(momentum).add_(gradient)
+                    gradient = velocity[key][:active]
+                params[key][:active].add_(gradient, alpha=-learning_rate)  # torch.optim.SGD's own step
+        back = torch.as_tensor(np.argsort(order), device=self.device)  # row of each client, in the order asked
+        updates = torch.cat([(params[k] - start[k]).reshape(cohort, -1) for k in self.keys], dim=1)[back]
+        client_steps = steps.tolist()
+        mean_losses = (total_loss[back] / torch.as_tensor(steps, dtype=torch.float64, device=self.device)).tolist()
         terms, finite, seconds = None, [True] * cohort, 0.0
         if hog is not None:
             started = time.perf_counter()
             terms, finite = self._hog_terms(start, updates, partitions, seeds, hog)
             seconds = time.perf_counter() - started
-        return CohortWork(updates.detach().cpu(), None if terms is None else terms.cpu(), finite,
-                          (total_loss / steps.double()).tolist(), steps.tolist(), seconds)
+        return CohortWork(updates.detach().cpu(), None if terms is None else terms.cpu(), finite, mean_losses,
+                          client_steps, seconds)
 
     def _step_plan(self, partitions: list[int], seeds: list[int], epochs: int,
-                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Example indices ``[S, K, B]``, their mask and whether client k takes step s (``[S, K]``)."""
+                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Example indices ``[S, K, B]``, their mask, and how many steps (non-empty minibatches) client k takes."""
         plans = []
         for partition, seed in zip(partitions, seeds, strict=True):
             own = self.client_indices[partition]
@@ -227,9 +246,8 @@ class CohortTrainer:
             for s, batch in enumerate(plan):
                 index[s, k, :len(batch)] = batch
                 mask[s, k, :len(batch)] = 1.0
-        index_t = torch.as_tensor(index, device=self.device)
-        mask_t = torch.as_tensor(mask, device=self.device)
-        return index_t, mask_t, mask_t.sum(dim=2) > 0
+        taken = np.array([sum(len(batch) > 0 for batch in plan) for plan in plans], dtype=np.int64)
+        return torch.as_tensor(index, device=self.device), torch.as_tensor(mask, device=self.device), taken
 
     def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, partitions: list[int],
                    seeds: list[int], hog: HogSettings) -> tuple[torch.Tensor, list[bool]]:
@@ -239,14 +257,19 @@ class CohortTrainer:
         if hog.term == "random":
             rows = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys) for seed in seeds]
             return torch.stack(rows), [True] * len(seeds)
-        directions = []
-        for k, seed in enumerate(seeds):
-            direction = None
-            if hog.direction == "update":
+        if hog.direction == "random" and len({like[n].dtype for n in names}) == 1:  # random_direction's, cut once
+            flat = torch.stack([random_unit_vector(sum(like[n].numel() for n in names), seed) for seed in seeds])
+            flat = flat.to(dtype=start[names[0]].dtype, device=self.device)
+            pieces = flat.split([like[n].numel() for n in names], dim=1)
+            stacked_directions = {n: piece.reshape(len(seeds), *like[n].shape) for n, piece in zip(names, pieces,
+                                                                                                 strict=True)}
+        else:
+            directions = []
+            for k, seed in enumerate(seeds):
                 update = self.unflatten(updates[k])
                 direction = unit_direction({n: update[n] for n in names})
-            directions.append(direction if direction is not None else random_direction(like, seed))
-        stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
+                directions.append(direction if direction is not None else random_direction(like, seed))
+            stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
                 for p, s in zip(partitions, seeds, strict=True)]
         width = max(len(r) for r in rows)
@@ -280,8 +303,3 @@ def _taylor_program(model: nn.Module) -> TaylorProgram | None:
         return program_for(model)
     except Unsupported:
         return None
-
-
-def _where_rows(rows: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` for the clients in ``rows`` (a [K] mask), ``old`` for the others."""
-    return torch.where(rows.reshape(-1, *([1] * (new.dim() - 1))), new, old)

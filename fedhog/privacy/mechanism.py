@@ -133,21 +133,28 @@ def _row_norms(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _row_norms_and_largest(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    norms, largest, _ = _scaled_rows(rows)
+    return norms, largest
+
+
+def _scaled_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's norm (as :func:`_row_norms`), its largest |entry|, and the row divided by that (1 where it is 0,
+    NaN or inf)."""
     largest = rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros(len(rows), dtype=rows.dtype)
     usable = (largest > 0) & torch.isfinite(largest)
     scale = torch.where(usable, largest, torch.ones_like(largest))
-    return torch.where(usable, scale * torch.linalg.vector_norm(rows / scale[:, None], dim=1), largest), largest
+    scaled = rows / scale[:, None]
+    return torch.where(usable, scale * torch.linalg.vector_norm(scaled, dim=1), largest), largest, scaled
 
 
 def _unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row divided by its norm (zero rows stay zero) and the norms, without overflow."""
-    norms = _row_norms(rows)
+    norms, largest, scaled = _scaled_rows(rows)  # finite rows: scaled by largest where it is > 0, as below
     if not bool(torch.isfinite(norms).all()):
         raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
-    largest = rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros_like(norms)
     scale = torch.where(largest > 0, largest, torch.ones_like(largest))
     relative = torch.where(largest > 0, norms / scale, torch.ones_like(norms))  # ‖row / largest‖ ∈ [1, √d]
-    return rows / scale[:, None] / relative[:, None], norms
+    return scaled / relative[:, None], norms
 
 
 @dataclass(frozen=True)

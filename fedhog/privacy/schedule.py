@@ -3,9 +3,12 @@
 σ and q do not change during a run, so ε after n rounds is a function of n
 alone. Composing it takes a PLD self-convolution (tens of milliseconds) that
 would otherwise sit inside every round; :class:`EpsilonSchedule` computes the
-next planned values in a short-lived background thread while the round
-trains, and hands each one over when the round asks. A value is the one its
-function returns, whichever thread computed it.
+next planned values in a background thread while the round trains, and hands
+each one over when the round asks. The thread waits for the next values and
+ends after :data:`IDLE_SECONDS` without any, so a run of short rounds starts it
+once, not every round (a thread's start stalls the caller until the new thread
+lets go of the GIL: milliseconds). A value is the one its function returns,
+whichever thread computed it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 LOOKAHEAD = 2  # values computed ahead of the last one asked for: the work left over when a run stops early
+IDLE_SECONDS = 1.0  # the worker ends after this long without a value to compute
 
 
 class EpsilonSchedule:
@@ -55,30 +59,40 @@ class EpsilonSchedule:
         return value
 
     def _compute_ahead(self, releases: int) -> None:
-        """Start a worker on the planned values after ``releases`` not known yet (at most :data:`LOOKAHEAD`)."""
+        """Hand the worker the planned values after ``releases`` not known yet (at most :data:`LOOKAHEAD`): wake it,
+        or start one."""
         with self._changed:
-            if self._failure is not None or (self._worker is not None and self._worker.is_alive()):
+            if self._failure is not None:
                 return
             ahead = [n for n in range(releases + 1, releases + 1 + LOOKAHEAD)
                      if n in self._planned and n not in self._values]
             if not ahead:
                 return
-            self._working_on = frozenset(ahead)
-            self._worker = threading.Thread(target=self._work, args=(ahead,), daemon=True,
-                                            name="fedhog-epsilon-schedule")
+            self._working_on = self._working_on | frozenset(ahead)
+            if self._worker is not None:
+                self._changed.notify_all()
+                return
+            self._worker = threading.Thread(target=self._work, daemon=True, name="fedhog-epsilon-schedule")
             self._worker.start()
 
-    def _work(self, releases: list[int]) -> None:
-        try:
-            for n in releases:
-                value = self._epsilon_after(n)
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._working_on:
+                    if not self._changed.wait(IDLE_SECONDS) and not self._working_on:
+                        self._worker = None  # under the lock: the next value asked for starts a new worker
+                        return
+                releases = min(self._working_on)
+            try:
+                value = self._epsilon_after(releases)
+            except BaseException as error:  # pylint: disable=broad-except  # the caller recomputes, and sees it raise
                 with self._changed:
-                    self._values.setdefault(n, value)
+                    self._failure = error
+                    self._working_on = frozenset()
+                    self._worker = None
                     self._changed.notify_all()
-        except BaseException as error:  # pylint: disable=broad-except  # the caller recomputes, and sees it raise
+                return
             with self._changed:
-                self._failure = error
-        finally:
-            with self._changed:
-                self._working_on = frozenset()
+                self._values.setdefault(releases, value)
+                self._working_on = self._working_on - {releases}
                 self._changed.notify_all()
