@@ -9,6 +9,7 @@ plain autograd: no Taylor series, no ``torch.func``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -110,3 +111,39 @@ def test_terms_computed_in_passes_of_a_few_clients_equal_one_pass(name, shape, m
         assert torch.equal(whole.terms, split.terms)
     else:
         torch.testing.assert_close(split.terms, whole.terms, rtol=1e-5, atol=1e-6 * float(whole.terms.abs().max()))
+
+
+class _MixedDtypeMLP(nn.Module):
+    """Parameters of two dtypes (a float32 gain used in float64): random directions take the per-tensor path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(40, 16).double(), nn.Linear(16, 10).double()
+        self.gain = nn.Parameter(torch.full((16,), 1.5, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.hidden(x.flatten(1))) * self.gain.double())
+
+
+def test_a_model_of_mixed_dtypes_takes_random_directions_too():
+    """hog-direction = "random" on a model whose parameters are not all one dtype: each client's term is along
+    ``random_direction(params, seed)``, as the ClientApp's (the per-tensor path once took the update's direction)."""
+    torch.manual_seed(4)
+    model = _MixedDtypeMLP()
+    sizes = [9, 4, 12]
+    x, y, indices = _population((1, 40), sizes)
+    trainer = CohortTrainer(model, x, y, indices, torch.device("cpu"))
+    start, partitions, seeds = model.state_dict(), [0, 1, 2], [41, 42, 43]
+    work = trainer.train(start, partitions, seeds, 1, 4, 0.1, 0.0, HogSettings("random", "third-order", 8))
+    assert work.terms is not None and all(work.term_finite)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    reference = copy.deepcopy(model).double()  # the HVP's central difference in float64 throughout
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
+        v = {n: d.double() for n, d in random_direction(params, seed).items()}  # the values the cohort mixes
+        rows = indices[partition][hog_rows(sizes[partition], 8, seed)]
+        xs, ys = torch.as_tensor(x[rows]), torch.as_tensor(y[rows])
+        wide = {n: p.double() for n, p in params.items()}
+        plus = _hvp(reference, {n: p + EPS * v[n] for n, p in wide.items()}, v, xs, ys)
+        minus = _hvp(reference, {n: p - EPS * v[n] for n, p in wide.items()}, v, xs, ys)
+        expected = torch.cat([((plus[n] - minus[n]) / (2 * EPS)).reshape(-1) for n in start])
+        torch.testing.assert_close(work.terms[k].double(), expected, rtol=1e-5, atol=1e-7)

@@ -266,8 +266,10 @@ class CohortTrainer:
         else:
             directions = []
             for k, seed in enumerate(seeds):
-                update = self.unflatten(updates[k])
-                direction = unit_direction({n: update[n] for n in names})
+                direction = None
+                if hog.direction == "update":
+                    update = self.unflatten(updates[k])
+                    direction = unit_direction({n: update[n] for n in names})
                 directions.append(direction if direction is not None else random_direction(like, seed))
             stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
