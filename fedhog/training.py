@@ -155,13 +155,18 @@ def evaluate_metrics(model: nn.Module, data: ArrayData, names: tuple[str, ...] =
 def random_direction(like: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """A direction uniform on the unit sphere of the parameter space, from ``seed``: :func:`random_unit_vector`
     cut into ``like``'s tensors (in order), each in its dtype and on its device."""
-    flat = random_unit_vector(sum(v.numel() for v in like.values()), seed)
+    return {k: v[0] for k, v in random_directions(like, [seed]).items()}
+
+
+def random_directions(like: dict[str, torch.Tensor], seeds: list[int]) -> dict[str, torch.Tensor]:
+    """:func:`random_direction` for each of ``seeds``, stacked: ``{name: [len(seeds), *shape]}``."""
+    flat = torch.stack([random_unit_vector(sum(v.numel() for v in like.values()), seed) for seed in seeds])
     first = next(iter(like.values()), flat)
     if all(v.dtype == first.dtype and v.device == first.device for v in like.values()):
         flat = flat.to(dtype=first.dtype, device=first.device)  # one conversion; the pieces are views of it
-    pieces = flat.split([v.numel() for v in like.values()])
-    return {k: piece.view(v.shape).to(dtype=v.dtype, device=v.device) for (k, v), piece in zip(like.items(), pieces,
-                                                                                             strict=True)}
+    pieces = flat.split([v.numel() for v in like.values()], dim=1)
+    return {k: piece.reshape(len(seeds), *v.shape).to(dtype=v.dtype, device=v.device)
+            for (k, v), piece in zip(like.items(), pieces, strict=True)}
 
 
 def random_unit_vector(numel: int, seed: int) -> torch.Tensor:

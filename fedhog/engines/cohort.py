@@ -38,7 +38,7 @@ from ..training import (
     hog_rows,
     local_batches,
     random_direction,
-    random_unit_vector,
+    random_directions,
     unit_direction,
 )
 
@@ -257,19 +257,13 @@ class CohortTrainer:
         if hog.term == "random":
             rows = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys) for seed in seeds]
             return torch.stack(rows), [True] * len(seeds)
-        if hog.direction == "random" and len({like[n].dtype for n in names}) == 1:  # random_direction's, cut once
-            flat = torch.stack([random_unit_vector(sum(like[n].numel() for n in names), seed) for seed in seeds])
-            flat = flat.to(dtype=start[names[0]].dtype, device=self.device)
-            pieces = flat.split([like[n].numel() for n in names], dim=1)
-            stacked_directions = {n: piece.reshape(len(seeds), *like[n].shape) for n, piece in zip(names, pieces,
-                                                                                                 strict=True)}
+        if hog.direction == "random":
+            stacked_directions = random_directions(like, seeds)  # like is on self.device
         else:
             directions = []
             for k, seed in enumerate(seeds):
-                direction = None
-                if hog.direction == "update":
-                    update = self.unflatten(updates[k])
-                    direction = unit_direction({n: update[n] for n in names})
+                update = self.unflatten(updates[k])
+                direction = unit_direction({n: update[n] for n in names})
                 directions.append(direction if direction is not None else random_direction(like, seed))
             stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
