@@ -112,7 +112,7 @@ class CohortShard:
         results: list[ClientResult] = []
         for block in blocks:
             results += self._block(server_round, state, block)
-        return results, sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
+        return results, _reply_bytes(results)
 
     def reduce(self, server_round: int, state: dict[str, torch.Tensor], blocks: list[list[Member]],
                plan: ReductionPlan) -> ReducedCohort:
@@ -120,8 +120,7 @@ class CohortShard:
         total = ReducedCohort(torch.zeros(plan.dimension, dtype=torch.int64))
         for block in blocks:
             results = self._block(server_round, state, block)
-            nbytes = sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
-            total = total.add(reduce_results(results, plan, nbytes))
+            total = total.add(reduce_results(results, plan, _reply_bytes(results)))
         return total
 
     def _block(self, server_round: int, state: dict[str, torch.Tensor], block: list[Member]) -> list[ClientResult]:
@@ -223,6 +222,11 @@ def actor_options(resources: dict[str, float], device: str, count: int) -> dict[
     has none: ``auto`` then picks the CPU in the actor, ``cuda`` fails there, naming the device)."""
     gpus = resources.get("GPU", 0.0) if device != "cpu" else 0.0
     return {"num_cpus": min(1.0, resources.get("CPU", 1.0) / count), "num_gpus": min(1.0, gpus / count)}
+
+
+def _reply_bytes(results: list[ClientResult]) -> int:
+    """What the results' updates and terms weigh as replies' arrays."""
+    return sum(_nbytes(r.update) + _nbytes(r.term) for r in results)
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
