@@ -36,7 +36,7 @@ from . import protocol
 from .layout import flatten_record
 from .monitoring import reply_nbytes
 from .privacy.lattice import NoiseLattice
-from .privacy.mechanism import Contribution, Mechanism, norms_of, rows_per_pass, stack_terms
+from .privacy.mechanism import Contribution, Mechanism, norms_of
 from .protocol import BadReply, ClientResult, Rejection
 
 
@@ -218,11 +218,9 @@ class ReducedCohort:
 def reduce_results(results: Sequence[ClientResult], plan: ReductionPlan, bytes_received: int = 0) -> ReducedCohort:
     """Check every result (:class:`ReplyCheck`), mix and clip the accepted ones, sum them on the lattice.
 
-    The per-contribution half of :meth:`~fedhog.privacy.mechanism.Mechanism.aggregate`,
-    row for row the same computation (:meth:`~fedhog.privacy.mechanism.Mechanism.constrain_sensitivity`,
-    then :meth:`~fedhog.privacy.mechanism.NoiseLattice.quantize`), a few rows at a time.
+    The per-contribution half of :meth:`~fedhog.privacy.mechanism.Mechanism.aggregate`: the same
+    :meth:`~fedhog.privacy.mechanism.Mechanism.sum_on_lattice`.
     """
-    lattice = plan.lattice
     out = ReducedCohort(torch.zeros(plan.dimension, dtype=torch.int64), bytes_received=bytes_received)
     accepted: list[tuple[ClientResult, Contribution]] = []
     for result, verdict in zip(results, plan.check.verdicts(results), strict=True):
@@ -230,15 +228,11 @@ def reduce_results(results: Sequence[ClientResult], plan: ReductionPlan, bytes_r
             out.refused.append((result.slot, verdict))
         else:
             accepted.append((result, verdict))
-    step = rows_per_pass(plan.dimension)
-    for start in range(0, len(accepted), step):
-        chunk = accepted[start:start + step]
-        terms = stack_terms([c for _, c in chunk]) if plan.mechanism.wants_term else None
-        xis = torch.tensor([plan.xis[r.slot] for r, _ in chunk], dtype=torch.float64)
-        rows, stats = plan.mechanism.constrain_sensitivity(torch.stack([c.update for _, c in chunk]), terms, xis)
-        out.lattice_sum += lattice.quantize(rows).sum(dim=0)
-        out.accepted += [ReducedContribution(r.slot, norm, clipped, ratio, dict(r.metrics)) for (r, _), norm, clipped,
-                         ratio in zip(chunk, stats.norms_before_clip, stats.clipped, stats.mixing_ratios, strict=True)]
+    total, seen = plan.mechanism.sum_on_lattice([c for _, c in accepted], [plan.xis[r.slot] for r, _ in accepted],
+                                                plan.lattice)
+    out.lattice_sum += total
+    out.accepted += [ReducedContribution(r.slot, norm, clipped, ratio, dict(r.metrics)) for (r, _), norm, clipped, ratio
+                     in zip(accepted, seen.norms_before_clip, seen.clipped, seen.mixing_ratios, strict=True)]
     return out
 
 

@@ -256,30 +256,38 @@ class Mechanism(ABC):
         if len(contributions) > MAX_CONTRIBUTIONS:
             raise ValueError(f"{len(contributions)} contributions exceed the {MAX_CONTRIBUTIONS} the int64 sum holds")
         lattice = NoiseLattice.for_settings(self, numel)
-        total = torch.zeros(numel, dtype=torch.int64)
+        total, seen = self.sum_on_lattice(contributions, xis, lattice)
+        noisy_sum, sum_std = self.add_noise(total, lattice, bits, len(contributions))
+        stats = AggregateStats(
+            num_contributions=len(contributions),
+            mean_norm_before_clip=_mean(list(seen.norms_before_clip)),
+            fraction_clipped=_mean([float(c) for c in seen.clipped]),
+            noise_std=sum_std / expected_cohort,
+            mean_mixing_ratio=_mean([r for r in seen.mixing_ratios if not math.isnan(r)]),
+            norms_before_clip=seen.norms_before_clip,
+        )
+        return (noisy_sum / expected_cohort).to(dtype), stats
+
+    def sum_on_lattice(self, contributions: Sequence[Contribution], xis: Sequence[float] | np.ndarray,
+                       lattice: NoiseLattice) -> tuple[torch.Tensor, RowStats]:
+        """Every contribution constrained (:meth:`constrain_sensitivity`, with its ξ), rounded onto ``lattice`` and
+        summed, a few rows at a time: the exact int64 sum and what constraining saw of each, in order."""
+        total = torch.zeros(lattice.dimension, dtype=torch.int64)
+        every_xi = torch.tensor(np.asarray(xis, dtype=np.float64))
         norms: list[float] = []
         clipped: list[bool] = []
         ratios: list[float] = []
-        step = rows_per_pass(numel)
+        step = rows_per_pass(lattice.dimension)
         for start in range(0, len(contributions), step):
             chunk = contributions[start:start + step]
             terms = stack_terms(chunk) if self.wants_term else None
             rows, seen = self.constrain_sensitivity(torch.stack([c.update for c in chunk]), terms,
-                                                    torch.tensor(xis[start:start + step], dtype=torch.float64))
+                                                    every_xi[start:start + step])
             total += lattice.quantize(rows).sum(dim=0)
             norms += seen.norms_before_clip
             clipped += seen.clipped
-            ratios += [r for r in seen.mixing_ratios if not math.isnan(r)]
-        noisy_sum, sum_std = self.add_noise(total, lattice, bits, len(contributions))
-        stats = AggregateStats(
-            num_contributions=len(contributions),
-            mean_norm_before_clip=_mean(norms),
-            fraction_clipped=_mean([float(c) for c in clipped]),
-            noise_std=sum_std / expected_cohort,
-            mean_mixing_ratio=_mean(ratios),
-            norms_before_clip=tuple(norms),
-        )
-        return (noisy_sum / expected_cohort).to(dtype), stats
+            ratios += seen.mixing_ratios
+        return total, RowStats(tuple(norms), tuple(clipped), tuple(ratios))
 
     def accountant(self, sampling: SamplingKind, sampling_rate: float, population: int, delta: float,
                    method: str) -> Accountant:
