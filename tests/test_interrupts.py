@@ -4,6 +4,7 @@ command exits 130 / 143 with the resume hint, the folder keeps a valid checkpoin
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ import torch
 from helpers import read_metrics, set_args, wait_for_checkpoint
 
 from fedhog import checkpoint as checkpoint_module
-from fedhog import cli, interrupts
+from fedhog import cli, interrupts, server_app
 from fedhog.checkpoint import (
     CHECKPOINT,
     PREVIOUS,
@@ -100,13 +101,45 @@ class _LateSignals:
             signal.signal(s, handler)
 
 
-def _interrupted_run(engine: str, results: Path, signum: int, delay: float, capsys) -> tuple[int, str, bool]:
-    """``fedhog run`` with ``signum`` sent to this process after ``delay`` s: exit code, stderr, whether it fired."""
+class _Checkpoints:
+    """The moments the run's rounds are checkpointed, as events: a signal can be aimed inside a chosen round."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.times: list[float] = []
+        self.written: dict[int, threading.Event] = {}
+        original = server_app.save_checkpoint
+
+        def recorded(directory: Path, checkpoint: Checkpoint) -> Path:
+            path = original(directory, checkpoint)
+            self.times.append(time.perf_counter())
+            self.written.setdefault(checkpoint.round, threading.Event()).set()
+            return path
+
+        monkeypatch.setattr(server_app, "save_checkpoint", recorded)
+
+    def reset(self) -> None:
+        self.times.clear()
+        self.written.clear()
+
+    def event(self, round_: int) -> threading.Event:
+        return self.written.setdefault(round_, threading.Event())
+
+
+def _interrupted_run(engine: str, results: Path, signum: int, after_round: int, delay: float,
+                     checkpoints: _Checkpoints, capsys) -> tuple[int, str, bool]:
+    """``fedhog run`` with ``signum`` sent to this process ``delay`` s after round ``after_round`` is checkpointed
+    (0: after the run starts): exit code, stderr, whether it fired."""
     fired = threading.Event()
     lock = threading.Lock()
     done = False
+    checkpoints.reset()
+    anchor = checkpoints.event(after_round)
+    if after_round == 0:
+        anchor.set()
 
     def fire() -> None:
+        if not anchor.wait(timeout=120):
+            return
         time.sleep(delay)
         with lock:
             if not done:
@@ -120,6 +153,7 @@ def _interrupted_run(engine: str, results: Path, signum: int, delay: float, caps
         code = cli.main(["run", "--engine", engine, *_sets(results)])
         with lock:
             done = True
+        anchor.set()  # a run that stopped before its anchor round releases the timer, which then does nothing
         timer.join()
         time.sleep(0.05)  # a signal sent just before `done` is handled by now
     return code, capsys.readouterr().err, fired.is_set()
@@ -212,19 +246,29 @@ def test_an_interrupt_while_the_folder_is_claimed_leaves_a_resumable_run(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
-def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, one_thread):
-    """Fault injection: SIGINT or SIGTERM at 10 random moments of a run; every one resumes to the reference."""
+def test_interrupts_at_random_moments_lose_nothing(tmp_path, engine, capsys, monkeypatch, one_thread):
+    """Fault injection: SIGINT or SIGTERM at 10 random moments of a run; every one resumes to the reference.
+
+    Each moment is drawn inside a chosen phase (start-up, or round k) of a timed run, so the rounds are covered
+    however much of the run the start-up takes on the machine (on a fast one the rounds are a sliver of it)."""
+    checkpoints = _Checkpoints(monkeypatch)
     reference = tmp_path / "reference"
     assert cli.main(["run", "--engine", engine, *_sets(reference)]) == 0  # also pays the one-time costs (data, imports)
-    started = time.perf_counter()  # how long a run lasts once they are paid: the moments are drawn within it
+    checkpoints.reset()
+    started = time.perf_counter()  # how long each phase lasts once they are paid: the moments are drawn within it
     assert cli.main(["run", "--engine", engine, *_sets(tmp_path / "timed")]) == 0
-    duration = time.perf_counter() - started
+    rounds = len(checkpoints.times)
+    moments = [started, *checkpoints.times]
+    phases = [b - a for a, b in itertools.pairwise(moments)]  # start-up with round 1, then each round
     rng = random.Random(23)
+    anchors = [attempt % rounds for attempt in range(10)]  # every phase at least once
+    rng.shuffle(anchors)
     seen_rounds, fired_count = set(), 0
-    for attempt in range(10):
+    for attempt, after_round in enumerate(anchors):
         results = tmp_path / f"attempt-{attempt}"
         signum = rng.choice(interrupts.SIGNALS)
-        code, err, fired = _interrupted_run(engine, results, signum, rng.uniform(0, duration), capsys)
+        delay = rng.uniform(0, phases[after_round])
+        code, err, fired = _interrupted_run(engine, results, signum, after_round, delay, checkpoints, capsys)
         finished = read_metrics(results)["status"] == "finished"
         if not fired or finished:  # the run finished first (or the signal came while its summary was printed)
             assert code == (CODES[signum] if fired else 0), err
