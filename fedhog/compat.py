@@ -25,13 +25,19 @@ No other fedhog module imports a private Flower or Opacus name (the test scans).
 - :func:`partition_indices`: every client's rows as flwr-datasets' Dirichlet and
   pathological partitioners assigned them, read without a ``Dataset.select`` per
   client (:mod:`fedhog.data`; ≈ 2 ms each, 20 s of the quickstart's 10 000 clients).
+- :func:`dense_pmfs` and :func:`new_dense_pmf`: the dense PMFs inside a ``dp_accounting``
+  ``PrivacyLossDistribution`` (``_pmf_remove``, ``_pmf_add``, ``_symmetric``; a ``DensePLDPmf``'s ``_probs``,
+  ``_lower_loss``, ``_infinity_mass``, ``_discretization``, ``_pessimistic_estimate``), for the memoised
+  self-composition (:mod:`fedhog.privacy.self_composition`), whose bits the contract test compares with
+  ``dp_accounting``'s own.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.client.mod.secure_aggregation.secaggplus_mod import _setup as secaggplus_setup
@@ -50,11 +56,13 @@ from flwr.supercore.privacy_accounting.rdp_accountant import (
 
 if TYPE_CHECKING:
     import torch
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
     from flwr.app import Message
 
-__all__ = ["opacus_processed_flags", "parse_compositions", "parse_config", "partition_indices",
-           "secaggplus_setup", "secaggplus_share_keys", "secaggplus_unmask", "stamp_message", "validate_count",
-           "validate_delta", "validate_epsilon", "validate_positive_epsilon", "zero_updates_pass_flowers_clipping"]
+__all__ = ["DensePmf", "dense_pmfs", "new_dense_pmf", "opacus_processed_flags", "parse_compositions", "parse_config",
+           "partition_indices", "secaggplus_setup", "secaggplus_share_keys", "secaggplus_unmask", "stamp_message",
+           "validate_count", "validate_delta", "validate_epsilon", "validate_positive_epsilon",
+           "zero_updates_pass_flowers_clipping"]
 
 
 def stamp_message(message: Message, message_id: str, run_id: int) -> None:
@@ -105,3 +113,39 @@ def zero_updates_pass_flowers_clipping() -> Iterator[None]:
         yield
     finally:
         dp_fixed_clipping.compute_clip_model_update = flowers
+
+
+@dataclass(frozen=True)
+class DensePmf:
+    """What a ``dp_accounting`` ``DensePLDPmf`` holds: losses ``(lower_loss + i) · discretization`` with ``probs``."""
+
+    pmf: Any  # the DensePLDPmf itself (dp_accounting has no type information)
+    probs: np.ndarray
+    lower_loss: int
+    infinity_mass: float
+
+
+def _dense(pmf: Any) -> DensePmf | None:
+    from dp_accounting.pld.pld_pmf import DensePLDPmf
+
+    if type(pmf) is not DensePLDPmf:
+        return None
+    return DensePmf(pmf, pmf._probs, pmf._lower_loss, pmf._infinity_mass)
+
+
+def dense_pmfs(pld: PrivacyLossDistribution) -> tuple[DensePmf, DensePmf | None] | None:
+    """The (remove, add) PMFs of ``pld`` (add None when it is symmetric); None unless they are dense."""
+    remove = _dense(pld._pmf_remove)
+    add = None if pld._symmetric else _dense(pld._pmf_add)
+    if remove is None or (add is None and not pld._symmetric):
+        return None
+    return remove, add
+
+
+def new_dense_pmf(template: DensePmf, lower_loss: int, probs: np.ndarray, infinity_mass: float) -> Any:
+    """A ``DensePLDPmf`` on ``template``'s grid and estimate type with the given losses and masses."""
+    from dp_accounting.pld.pld_pmf import DensePLDPmf
+
+    pmf = template.pmf
+    return DensePLDPmf(pmf._discretization, lower_loss, probs, infinity_mass,
+                       pmf._pessimistic_estimate)

@@ -188,3 +188,40 @@ def test_flowers_clipping_still_divides_by_a_zero_norm_and_the_guard_passes_zero
         np.testing.assert_array_equal(got, want)
     assert math.isclose(float(np.sqrt(sum(np.sum((m - o) ** 2) for m, o in zip(moved, old, strict=True)))), 0.5,
                         rel_tol=1e-5)
+
+
+def _pmf_bits(pmf) -> tuple:
+    return pmf._lower_loss, pmf._infinity_mass, pmf._discretization, pmf._pessimistic_estimate, pmf._probs.tobytes()
+
+
+@pytest.mark.parametrize("sigma, q, relation, interval", [
+    (1.675, 0.1, "ADD_OR_REMOVE_ONE", 1e-3),  # the convergence federation's round
+    (0.7, 0.5, "ADD_OR_REMOVE_ONE", 1e-3),
+    (4.0, 0.01, "REPLACE_ONE", 1e-4),
+    (1.0, 1.0, "ADD_OR_REMOVE_ONE", 1e-3),  # no sampling: one symmetric PMF
+])
+def test_the_memoised_self_composition_is_dp_accountings_bit_for_bit(sigma, q, relation, interval) -> None:
+    """SelfComposition replays dp_accounting's self_compose (Chernoff bounds, FFT power) with the parts that do
+    not depend on n kept: every PMF it returns must be the same bits, for growing n and for n out of order
+    (the FFT length changes between them), and a PLD that is not dense goes to dp_accounting itself."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dp_accounting.privacy_accountant import NeighboringRelation as DpRelation
+
+    from fedhog.privacy.self_composition import SelfComposition
+
+    pld = pld_lib.from_gaussian_mechanism(sigma, value_discretization_interval=interval, sampling_prob=q,
+                                          neighboring_relation=DpRelation[relation])
+    compose = SelfComposition(pld)
+    assert compat.dense_pmfs(pld) is not None
+    for n in [1, 2, 3, 17, 100, 101, 1000, 5, 250]:
+        mine, theirs = compose(n), pld.self_compose(n)
+        assert mine._symmetric == theirs._symmetric
+        assert _pmf_bits(mine._pmf_remove) == _pmf_bits(theirs._pmf_remove)
+        assert _pmf_bits(mine._pmf_add) == _pmf_bits(theirs._pmf_add)
+        assert mine.get_epsilon_for_delta(1e-5) == theirs.get_epsilon_for_delta(1e-5)
+    with pytest.raises(ValueError, match="num_times"):
+        compose(0)
+    sparse = pld_lib.PrivacyLossDistribution.create_from_rounded_probability({0: 0.5, 3: 0.5}, 0.0, 1e-3)
+    assert compat.dense_pmfs(sparse) is None
+    assert _pmf_bits(SelfComposition(sparse)(4)._pmf_remove.to_dense_pmf()) == _pmf_bits(
+        sparse.self_compose(4)._pmf_remove.to_dense_pmf())
