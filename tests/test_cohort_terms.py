@@ -147,3 +147,20 @@ def test_a_model_of_mixed_dtypes_takes_random_directions_too():
         minus = _hvp(reference, {n: p - EPS * v[n] for n, p in wide.items()}, v, xs, ys)
         expected = torch.cat([((plus[n] - minus[n]) / (2 * EPS)).reshape(-1) for n in start])
         torch.testing.assert_close(work.terms[k].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cohort_size", [1, 5, 64, 65, 100, 200, 1000])
+def test_term_passes_cover_the_cohort_in_few_equal_passes_of_similar_clients(cohort_size):
+    """Each client in exactly one pass; ⌈K / TERM_CLIENTS_PER_PASS⌉ passes whose sizes differ by at most one;
+    every client of a pass has at least as many term examples as any of a later pass (so each pass pads little)."""
+    examples = np.random.default_rng(cohort_size).integers(1, 33, cohort_size).tolist()
+    passes = CohortTrainer._term_passes(examples)
+    assert sorted(torch.cat(passes).tolist()) == list(range(cohort_size))
+    assert len(passes) == -(-cohort_size // cohort.TERM_CLIENTS_PER_PASS)
+    sizes = [len(p) for p in passes]
+    assert max(sizes) <= cohort.TERM_CLIENTS_PER_PASS and max(sizes) - min(sizes) <= 1
+    for earlier, later in itertools.pairwise(passes):
+        assert min(examples[k] for k in earlier.tolist()) >= max(examples[k] for k in later.tolist())
+    padded = sum(len(p) * max(examples[k] for k in p.tolist()) for p in passes)
+    unsorted = sum(len(c) * max(c) for c in np.array_split(np.asarray(examples), len(passes)))
+    assert padded <= unsorted
