@@ -225,3 +225,19 @@ def test_the_memoised_self_composition_is_dp_accountings_bit_for_bit(sigma, q, r
     assert compat.dense_pmfs(sparse) is None
     assert _pmf_bits(SelfComposition(sparse)(4)._pmf_remove.to_dense_pmf()) == _pmf_bits(
         sparse.self_compose(4)._pmf_remove.to_dense_pmf())
+
+
+def test_the_memoised_self_composition_gives_the_same_bits_from_several_threads() -> None:
+    """The ε schedule's worker and the round's thread can compose at once: the shared FFT cache must not break."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    from fedhog.privacy.self_composition import SelfComposition
+
+    pld = pld_lib.from_gaussian_mechanism(1.675, value_discretization_interval=1e-3, sampling_prob=0.1)
+    compose = SelfComposition(pld)
+    counts = [1, 400, 7, 900, 33, 2000, 100, 1500] * 3
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda n: _pmf_bits(compose(n)._pmf_add), counts))
+    assert got == [_pmf_bits(pld.self_compose(n)._pmf_add) for n in counts]

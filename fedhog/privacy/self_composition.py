@@ -12,6 +12,7 @@ composed PMFs are the same bits as ``dp_accounting``'s (``tests/test_compat.py``
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
@@ -33,6 +34,7 @@ class _PmfSelfComposition:
         self._orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / size
         self._log_mgfs = [float(special.logsumexp(np.arange(size) * order, b=pmf.probs)) for order in self._orders]
         self._spectra: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # the ε schedule's worker thread and the round's may compose at once
 
     def _bounds(self, num_times: int) -> tuple[int, int]:
         """``common.compute_self_convolve_bounds`` from the memoised log-MGFs."""
@@ -49,12 +51,13 @@ class _PmfSelfComposition:
         return lower, upper
 
     def _spectrum(self, length: int) -> np.ndarray:
-        spectrum = self._spectra.get(length)
-        if spectrum is None:
-            if len(self._spectra) >= _KEPT_SPECTRA:
-                del self._spectra[next(iter(self._spectra))]
-            spectrum = self._spectra[length] = fft.fft(self._pmf.probs, length)
-        return spectrum
+        with self._lock:
+            spectrum = self._spectra.get(length)
+            if spectrum is None:
+                if len(self._spectra) >= _KEPT_SPECTRA:
+                    del self._spectra[next(iter(self._spectra))]
+                spectrum = self._spectra[length] = fft.fft(self._pmf.probs, length)
+            return spectrum
 
     def __call__(self, num_times: int) -> object:
         if num_times <= 0:
