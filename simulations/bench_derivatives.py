@@ -1,8 +1,8 @@
 """Benchmark of fedhog.derivatives: time of each quantity as a ratio to one gradient.
 
 For each model (15k MLP, MNIST-1D-sized 1-D CNN of 38k parameters, ~1M MLP;
-``--full`` adds a ~4.7M MLP) and each formulation (Taylor mode, nested
-``torch.func``, nested ``autograd``), a quantity is timed alternately with one
+``--full`` adds a ~4.7M MLP; tanh after each hidden layer, or ``--activation``)
+and each formulation (Taylor mode, nested ``torch.func``, nested ``autograd``), a quantity is timed alternately with one
 ``torch.autograd.grad`` forward+backward of the same batch; the ratio is the
 median of the per-pair time ratios, and with ``--repeat N`` the median of N such
 medians (taken in N passes over all rows, so slow drifts of the machine's load
@@ -16,6 +16,7 @@ be shared).
 Usage::
 
     python simulations/bench_derivatives.py [--quick] [--full] [--json] [--threads 1] [--repeat 3] [--device cuda]
+        [--activation gelu]
 """
 
 from __future__ import annotations
@@ -41,34 +42,32 @@ from fedhog.derivatives import (
     hessian_vector_product,
     third_order_vector,
 )
+from fedhog.models import ACTIVATIONS
 
 BATCH = 128
 
 
-def make_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
-    """Model and per-example input shape (float32, tanh activations, 10 classes)."""
+def make_model(name: str, activation: str = "tanh") -> tuple[nn.Module, tuple[int, ...]]:
+    """Model and per-example input shape (float32, ``activation`` after each hidden layer, 10 classes)."""
     torch.manual_seed(0)
+    act = ACTIVATIONS[activation]
     if name == "mlp_15k":
-        return nn.Sequential(nn.Linear(40, 200), nn.Tanh(), nn.Linear(200, 32), nn.Tanh(), nn.Linear(32, 10)), (40,)
+        return nn.Sequential(nn.Linear(40, 200), act(), nn.Linear(200, 32), act(), nn.Linear(32, 10)), (40,)
     if name == "cnn1d_40k":
         return nn.Sequential(
             nn.Conv1d(1, 32, 5),
-            nn.Tanh(),
+            act(),
             nn.Conv1d(32, 32, 5),
-            nn.Tanh(),
+            act(),
             nn.Flatten(),
             nn.Linear(32 * 32, 32),
-            nn.Tanh(),
+            act(),
             nn.Linear(32, 10),
         ), (1, 40)
     if name == "mlp_1m":
-        return nn.Sequential(nn.Linear(784, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 10)), (
-            784,
-        )
+        return nn.Sequential(nn.Linear(784, 1024), act(), nn.Linear(1024, 256), act(), nn.Linear(256, 10)), (784,)
     if name == "mlp_5m":
-        return nn.Sequential(nn.Linear(784, 2048), nn.Tanh(), nn.Linear(2048, 1536), nn.Tanh(), nn.Linear(1536, 10)), (
-            784,
-        )
+        return nn.Sequential(nn.Linear(784, 2048), act(), nn.Linear(2048, 1536), act(), nn.Linear(1536, 10)), (784,)
     raise ValueError(name)
 
 
@@ -150,10 +149,11 @@ def peak_cuda(model: nn.Module, x: torch.Tensor, y: torch.Tensor, quantity: str,
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def peak_child(model_name: str, quantity: str, method: str, threads: int) -> float:
+def peak_child(model_name: str, quantity: str, method: str, threads: int, activation: str) -> float:
     """Run one computation in a fresh process and return its peak RSS growth in MiB."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, __file__, "--peak", model_name, quantity, method, "--threads", str(threads)]
+    cmd = [sys.executable, __file__, "--peak", model_name, quantity, method, "--threads", str(threads),
+           "--activation", activation]
     return float(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -162,9 +162,9 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure_peak(model_name: str, quantity: str, method: str) -> None:
+def measure_peak(model_name: str, quantity: str, method: str, activation: str) -> None:
     """Print the peak RSS growth (MiB) of a second call, after resetting the kernel's high-water mark."""
-    model, shape = make_model(model_name)
+    model, shape = make_model(model_name, activation)
     x, y = make_batch(shape)
     f = baseline(model, x, y) if method == "baseline" else tasks(model, x, y)[(quantity, method)]
     f()  # one-time initialisations (BLAS buffers, tracing) are not part of the peak
@@ -236,11 +236,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="passes over all rows; the median ratio is reported")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--models", help="comma-separated subset of the models")
+    parser.add_argument("--activation", default="tanh", choices=sorted(ACTIVATIONS),
+                        help="after every hidden layer (default tanh, the table's; fedhog's models default to gelu)")
     parser.add_argument("--peak", nargs=3, metavar=("MODEL", "QUANTITY", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.peak:
-        measure_peak(*args.peak)
+        measure_peak(*args.peak, args.activation)
         return
     device = torch.device(args.device)
     budget = 0.4 if args.quick else 3.0
@@ -251,7 +253,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for name in names:
-        model, shape = make_model(name)
+        model, shape = make_model(name, args.activation)
         model = model.to(device)
         x, y = make_batch(shape, args.device)
         base = synchronized(baseline(model, x, y), device)
@@ -261,12 +263,12 @@ def main() -> None:
                 peaks[m] = (
                     peak_cuda(model, x, y, "third_order_vector", m)
                     if device.type == "cuda"
-                    else peak_child(name, "third_order_vector", m, args.threads)
+                    else peak_child(name, "third_order_vector", m, args.threads, args.activation)
                 )
             peaks["baseline"] = (
                 peak_cuda(model, x, y, "gradient", "baseline")
                 if device.type == "cuda"
-                else peak_child(name, "gradient", "baseline", args.threads)
+                else peak_child(name, "gradient", "baseline", args.threads, args.activation)
             )
         jobs = []
         for (quantity, method), f in tasks(model, x, y).items():
@@ -303,6 +305,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": args.threads,
+        "activation": args.activation,
         "repeat": args.repeat,
         "batch": BATCH,
         "torch": torch.__version__,
@@ -315,7 +318,8 @@ def main() -> None:
         print(json.dumps({"rows": rows, "greeks": greeks, "meta": meta}))
         return
     print(
-        f"device={meta['device']} threads={args.threads} repeat={args.repeat} batch={BATCH} torch={torch.__version__} "
+        f"device={meta['device']} activation={args.activation} "
+        f"threads={args.threads} repeat={args.repeat} batch={BATCH} torch={torch.__version__} "
         f"load average {meta['load_average_before']} -> {meta['load_average_after']} on {meta['cpus']} CPUs "
         "(medians; ratio to one autograd.grad)"
     )
