@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from fedhog.privacy.lattice import NoiseLattice
-from fedhog.privacy.mechanism import CLIP_GUARD, Contribution, build_mechanism
+from fedhog.privacy.mechanism import CLIP_GUARD, Contribution, build_mechanism, norms_of
 from fedhog.privacy.randomness import MAX_STANDARD_NORMAL, SeededBits, sampler_log_ratio_bound
 from fedhog.privacy.sampler_slack import sampler_slack
 
@@ -171,6 +171,45 @@ def test_any_finite_float32_contribution_is_finite_and_inside_the_ball(update, t
         assert out.dtype == F64 and bool(torch.isfinite(out).all())
         assert math.hypot(*out.tolist()) <= clip
         assert not math.isnan(stats.norm_before_clip)
+
+
+extreme64 = st.one_of(
+    st.floats(-1e300, 1e300, allow_nan=False, allow_infinity=False),
+    st.sampled_from([1e300, -1e300, 2.0**401, 2.0**-401, 1e-200, 5e-324, -5e-324, 2.0**-1000, 0.0]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(update=st.lists(extreme64, min_size=1, max_size=12), term=st.lists(extreme64, min_size=12, max_size=12),
+       gamma=st.sampled_from([0.0, 0.5, 1e6]), xi=st.floats(-MAX_STANDARD_NORMAL, MAX_STANDARD_NORMAL),
+       clip=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_any_finite_float64_contribution_is_finite_and_inside_the_ball(update, term, gamma, xi, clip):
+    """float64 rows whose norm cannot be summed directly (huge, tiny, subnormal) are summed scaled: the output is
+    still finite and inside the ball, and the norm seen is math.hypot's (overflow-free, correctly rounded in
+    Python ≥ 3.10) to a few ulps."""
+    delta = torch.tensor(update, dtype=F64)
+    t = torch.tensor(term[:len(update)], dtype=F64)
+    for settings_ in (build_mechanism("gaussian", clip, 1.0), build_mechanism("hog", clip, 1.0, gamma)):
+        out, stats = constrain_one(delta, t, xi, settings_)
+        assert bool(torch.isfinite(out).all())
+        assert math.hypot(*out.tolist()) <= clip
+        if settings_.name == "gaussian":
+            assert stats.norm_before_clip == pytest.approx(math.hypot(*update), rel=1e-14, abs=0)
+
+
+def test_norms_are_hypot_on_both_sides_of_the_direct_range():
+    """norms_of sums each row directly and again scaled where that cannot be trusted (huge, tiny, zero): the same
+    norms either way (math.hypot's); NaN or inf flagged as not finite, a norm past float64's range too large."""
+    rows = [[3.0, 4.0], [3e250, 4e250], [3e-250, 4e-250], [1e300, 1e300], [5e-324, 0.0], [0.0, 0.0],
+            [2.0**400, 1.0], [float("nan"), 1.0], [float("inf"), 1.0], [1.7e308, 1.7e308]]
+    norms, finite = norms_of([torch.tensor(r, dtype=F64) for r in rows])
+    for row, norm, ok in zip(rows, norms, finite, strict=True):
+        assert ok == all(math.isfinite(v) for v in row)
+        if math.isfinite(math.hypot(*row)):
+            assert norm == pytest.approx(math.hypot(*row), rel=1e-15, abs=0)
+        else:  # NaN or inf entries, or finite ones whose norm is past float64's range
+            assert not math.isfinite(norm)
+    direct, _ = norms_of([torch.tensor([3.0, 4.0], dtype=F64), torch.tensor([3e-5, 4e-5], dtype=F64)])
+    assert direct == [5.0, pytest.approx(5e-5, rel=1e-15, abs=0)]
 
 
 # --- the lattice -------------------------------------------------------------------

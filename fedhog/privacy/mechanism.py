@@ -107,7 +107,7 @@ class AggregateStats:
 
 
 def norms_of(vectors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool]]:
-    """Each vector's L2 norm (float64, scaled: no overflow for finite entries) and whether its entries are finite.
+    """Each vector's L2 norm (float64, no overflow for finite entries) and whether its entries are finite.
 
     Stacked :func:`rows_per_pass` vectors at a time, so K checks cost a few batched passes, not K.
     """
@@ -116,9 +116,12 @@ def norms_of(vectors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool]]:
     step = rows_per_pass(vectors[0].numel()) if vectors else 1
     for start in range(0, len(vectors), step):
         rows = torch.stack(list(vectors[start:start + step])).to(torch.float64)
-        row_norms, largest = _row_norms_and_largest(rows)
+        row_norms = _row_norms(rows)
+        entries_finite = torch.isfinite(row_norms)  # a NaN or inf entry makes the norm NaN or inf
+        if not bool(entries_finite.all()):  # or a norm past float64's range: then the entries may be finite
+            entries_finite[~entries_finite] = torch.isfinite(_largest(rows[~entries_finite]))
         norms += row_norms.tolist()
-        finite += torch.isfinite(largest).tolist()  # the largest |entry| is NaN or inf iff an entry is
+        finite += entries_finite.tolist()
     return norms, finite
 
 
@@ -127,20 +130,37 @@ def rows_per_pass(numel: int) -> int:
     return max(1, 2**18 // max(numel, 1))
 
 
+DIRECT_NORM_FLOOR = 2.0**-300
+"""A float64 row whose norm, summed directly, comes out finite and at least this is done: a square that overflowed
+would have made it inf, and the squares lost to underflow (each under 2⁻¹⁰⁷⁴) move its square (≥ 2⁻⁶⁰⁰) by less
+than d·2⁻⁴⁷⁴ relatively. The other rows (zero, tiny, huge, NaN or inf entries) are summed again scaled by their
+largest |entry| (:func:`_scaled_rows`). Every finite float32 row but a zero one is done in one pass (its
+nonzero entries are at least 2⁻¹⁴⁹ and their squares at most 2²⁵⁶)."""
+
+
+def _needs_scaling(norms: torch.Tensor) -> torch.Tensor:
+    """The rows whose directly summed ``norms`` :data:`DIRECT_NORM_FLOOR` does not vouch for (NaN included)."""
+    return ~(norms >= DIRECT_NORM_FLOOR) | torch.isinf(norms)
+
+
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's L2 norm, scaled by its largest entry (float64 rows in, [R] out; NaN or inf for such rows)."""
-    return _row_norms_and_largest(rows)[0]
+    """Each row's L2 norm without overflow (float64 rows in, [R] out; NaN or inf for such rows)."""
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    redo = _needs_scaling(norms)
+    if bool(redo.any()):
+        norms[redo] = _scaled_rows(rows[redo])[0]
+    return norms
 
 
-def _row_norms_and_largest(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    norms, largest, _ = _scaled_rows(rows)
-    return norms, largest
+def _largest(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's largest |entry| (NaN or inf for a row with such entries; 0 for rows of no entries)."""
+    return rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros(len(rows), dtype=rows.dtype)
 
 
 def _scaled_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's norm (as :func:`_row_norms`), its largest |entry|, and the row divided by that (1 where it is 0,
-    NaN or inf)."""
-    largest = rows.abs().amax(dim=1) if rows.shape[1] else torch.zeros(len(rows), dtype=rows.dtype)
+    """Each row's norm summed scaled by its largest |entry| (no square overflows or vanishes), that largest
+    |entry|, and the row divided by it (by 1 where it is 0, NaN or inf)."""
+    largest = _largest(rows)
     usable = (largest > 0) & torch.isfinite(largest)
     scale = torch.where(usable, largest, torch.ones_like(largest))
     scaled = rows / scale[:, None]
@@ -149,12 +169,19 @@ def _scaled_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _unit_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row divided by its norm (zero rows stay zero) and the norms, without overflow."""
-    norms, largest, scaled = _scaled_rows(rows)  # finite rows: scaled by largest where it is > 0, as below
-    if not bool(torch.isfinite(norms).all()):
-        raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the mechanism")
-    scale = torch.where(largest > 0, largest, torch.ones_like(largest))
-    relative = torch.where(largest > 0, norms / scale, torch.ones_like(norms))  # ‖row / largest‖ ∈ [1, √d]
-    return scaled / relative[:, None], norms
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    redo = _needs_scaling(norms)
+    unit = rows / torch.where(redo, torch.ones_like(norms), norms)[:, None]
+    if bool(redo.any()):
+        redo_norms, largest, scaled = _scaled_rows(rows[redo])
+        if not bool(torch.isfinite(redo_norms).all()):
+            raise ValueError("a contribution with NaN or inf entries cannot be clipped; reject it before the "
+                             "mechanism")
+        scale = torch.where(largest > 0, largest, torch.ones_like(largest))
+        relative = torch.where(largest > 0, redo_norms / scale, torch.ones_like(redo_norms))  # ‖row/largest‖ ∈ [1, √d]
+        unit[redo] = scaled / relative[:, None]
+        norms[redo] = redo_norms
+    return unit, norms
 
 
 @dataclass(frozen=True)
