@@ -78,20 +78,31 @@ def train_locally(
     return LocalTraining(float(np.mean(losses)), len(losses), cubic_steps)
 
 
-def local_batches(num_examples: int, epochs: int, batch_size: int, seed: int) -> list[list[np.ndarray]]:
-    """Each epoch's minibatches of a client's examples: a fresh permutation from ``seed``'s stream per epoch,
-    split into ⌈n/B⌉ nearly equal batches (the order every engine trains a client in)."""
+def epoch_orders(num_examples: int, epochs: int, seed: int) -> list[np.ndarray]:
+    """Each epoch's order of a client's examples: a fresh permutation from ``seed``'s stream per epoch."""
     order_rng = np.random.default_rng(seed)
+    return [order_rng.permutation(num_examples) for _ in range(epochs)]
+
+
+def local_batches(num_examples: int, epochs: int, batch_size: int, seed: int) -> list[list[np.ndarray]]:
+    """Each epoch's minibatches of a client's examples: its :func:`epoch_orders`, each split into ⌈n/B⌉ nearly
+    equal batches (the order every engine trains a client in)."""
+    return minibatches(epoch_orders(num_examples, epochs, seed), batch_size)
+
+
+def minibatches(orders: list[np.ndarray], batch_size: int) -> list[list[np.ndarray]]:
+    """Each order cut into ⌈n/B⌉ nearly equal batches, as ``np.array_split`` cuts: the first ones one longer."""
+    num_examples = len(orders[0]) if orders else 0
     splits = max(1, -(-num_examples // batch_size))
-    size, longer = divmod(num_examples, splits)  # np.array_split's cut: the first ``longer`` batches one longer
+    size, longer = divmod(num_examples, splits)
     bounds = [i * size + min(i, longer) for i in range(splits + 1)]
-    return [[order[bounds[i]:bounds[i + 1]] for i in range(splits)]
-            for order in (order_rng.permutation(num_examples) for _ in range(epochs))]
+    return [[order[bounds[i]:bounds[i + 1]] for i in range(splits)] for order in orders]
 
 
 def hog_rows(num_examples: int, hog_batch_size: int, seed: int) -> np.ndarray:
-    """The local examples a client computes its third-order term on."""
-    return np.random.default_rng(seed).permutation(num_examples)[:hog_batch_size]
+    """The local examples a client computes its third-order term on: the first ``hog_batch_size`` of its first
+    epoch's order (:func:`epoch_orders`, so an engine that has the orders need not draw them again)."""
+    return epoch_orders(num_examples, 1, seed)[0][:hog_batch_size]
 
 
 def control_term_seed(seed: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from fedhog.data import ArrayData, load_digits
 from fedhog.derivatives import third_order_step_size
 from fedhog.models import build_model
-from fedhog.training import evaluate, local_batches, random_direction, train_locally, unit_direction
+from fedhog.training import evaluate, hog_rows, local_batches, random_direction, train_locally, unit_direction
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,14 @@ def test_local_batches_are_the_seeds_permutations_cut_as_numpy_array_split(batch
                     for _ in range(2)]
         got = local_batches(num_examples, 2, batch_size, seed)
         assert [[b.tolist() for b in epoch] for epoch in got] == [[b.tolist() for b in epoch] for epoch in expected]
+
+
+def test_hog_rows_are_the_first_of_the_first_epochs_order():
+    """A client's term examples: the first hog-batch-size of its seed's first permutation, which is also the order
+    its first epoch trains in (the vectorized engine takes them from its step plan instead of drawing again)."""
+    for num_examples in (0, 1, 7, 22, 40):
+        for hog_batch_size in (1, 8, 32):
+            seed = 31 * num_examples + hog_batch_size
+            rows = hog_rows(num_examples, hog_batch_size, seed).tolist()
+            assert rows == np.random.default_rng(seed).permutation(num_examples)[:hog_batch_size].tolist()
+            assert rows == np.concatenate(local_batches(num_examples, 2, 10, seed)[0])[:hog_batch_size].tolist()

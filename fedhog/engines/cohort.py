@@ -35,8 +35,8 @@ from ..derivatives.taylor import TaylorProgram, cross_entropy_series, program_fo
 from ..layout import flatten, unflatten
 from ..training import (
     control_term_seed,
-    hog_rows,
-    local_batches,
+    epoch_orders,
+    minibatches,
     random_direction,
     random_directions,
     unit_direction,
@@ -191,7 +191,7 @@ class CohortTrainer:
         """Train every client of the cohort from ``global_state``; with ``hog``, also their third-order terms."""
         start = {k: v.to(self.device) for k, v in global_state.items()}
         cohort = len(partitions)
-        index, mask, steps = self._step_plan(partitions, seeds, epochs, batch_size)
+        index, mask, steps, first_orders = self._step_plan(partitions, seeds, epochs, batch_size)
         # Row r of the stacked parameters is client order[r]: most steps first, so the clients that take step s are
         # the first training[s] rows, a slice (every client starts from the same model: the order costs nothing).
         order = np.argsort(-steps, kind="stable")
@@ -221,18 +221,21 @@ class CohortTrainer:
         terms, finite, seconds = None, [True] * cohort, 0.0
         if hog is not None:
             started = time.perf_counter()
-            terms, finite = self._hog_terms(start, updates, partitions, seeds, hog)
+            terms, finite = self._hog_terms(start, updates, first_orders, seeds, hog)
             seconds = time.perf_counter() - started
         return CohortWork(updates.detach().cpu(), None if terms is None else terms.cpu(), finite, mean_losses,
                           client_steps, seconds)
 
     def _step_plan(self, partitions: list[int], seeds: list[int], epochs: int,
-                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """Example indices ``[S, K, B]``, their mask, and how many steps (non-empty minibatches) client k takes."""
-        plans = []
+                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, list[np.ndarray]]:
+        """Example indices ``[S, K, B]``, their mask, how many steps (non-empty minibatches) client k takes, and
+        each client's examples in its first epoch's order (its term's are the first of them: ``hog_rows``)."""
+        plans, first_orders = [], []
         for partition, seed in zip(partitions, seeds, strict=True):
             own = self.client_indices[partition]
-            plans.append([own[batch] for epoch in local_batches(len(own), epochs, batch_size, seed) for batch in epoch])
+            orders = epoch_orders(len(own), max(epochs, 1), seed)  # local_batches' orders, drawn once
+            first_orders.append(own[orders[0]])
+            plans.append([own[batch] for epoch in minibatches(orders[:epochs], batch_size) for batch in epoch])
         steps = max(len(plan) for plan in plans)
         width = max(len(batch) for plan in plans for batch in plan)
         index = np.zeros((steps, len(plans), width), dtype=np.int64)
@@ -242,11 +245,13 @@ class CohortTrainer:
                 index[s, k, :len(batch)] = batch
                 mask[s, k, :len(batch)] = 1.0
         taken = np.array([sum(len(batch) > 0 for batch in plan) for plan in plans], dtype=np.int64)
-        return torch.as_tensor(index, device=self.device), torch.as_tensor(mask, device=self.device), taken
+        return (torch.as_tensor(index, device=self.device), torch.as_tensor(mask, device=self.device), taken,
+                first_orders)
 
-    def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, partitions: list[int],
+    def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, first_orders: list[np.ndarray],
                    seeds: list[int], hog: HogSettings) -> tuple[torch.Tensor, list[bool]]:
-        """Each client's third-order term (or its random control), flat ``[K, P]``."""
+        """Each client's third-order term (or its random control), flat ``[K, P]``, on the first
+        ``hog.batch_size`` examples of its first epoch's order (:func:`~fedhog.training.hog_rows`)."""
         names = [name for name, _ in self.model.named_parameters()]
         like = {k: start[k] for k in names}
         if hog.term == "random":
@@ -261,8 +266,7 @@ class CohortTrainer:
                 direction = unit_direction({n: update[n] for n in names})
                 directions.append(direction if direction is not None else random_direction(like, seed))
             stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
-        rows = [self.client_indices[p][hog_rows(len(self.client_indices[p]), hog.batch_size, s)]
-                for p, s in zip(partitions, seeds, strict=True)]
+        rows = [order[:hog.batch_size] for order in first_orders]
         flat: torch.Tensor | None = None
         for clients in self._term_passes([len(r) for r in rows]):
             width = max(len(rows[k]) for k in clients)
