@@ -255,8 +255,9 @@ class CohortTrainer:
         names = [name for name, _ in self.model.named_parameters()]
         like = {k: start[k] for k in names}
         if hog.term == "random":
-            rows = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys) for seed in seeds]
-            return torch.stack(rows), [True] * len(seeds)
+            controls = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys)
+                        for seed in seeds]
+            return torch.stack(controls), [True] * len(seeds)
         if hog.direction == "random":
             stacked_directions = random_directions(like, seeds)  # like is on self.device
         else:
