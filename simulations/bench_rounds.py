@@ -27,7 +27,10 @@ before the activation became a choice): a smooth activation must not make the
 round or the HOG term much slower. ``--normalizations`` adds each activation
 with those normalisations (``fedhog.models.NORMALIZATIONS``; weight
 standardisation and GroupNorm are extra work in every layer), still against
-tanh without normalisation.
+tanh without normalisation. Its last column sets the cohort's work against
+one vmapped gradient of every client on the examples its term is computed on
+(the first ``hog-batch-size`` of its first epoch): the training (one epoch)
+and the term alone (HOG's cohort less the DP-FedAvg one) in such gradients.
 The vectorized engine also runs populations of 10 000 and 100 000 clients
 with cohorts of 100 (IID, about 20 examples each: MNIST-1D is generated
 once and cached, which takes minutes for 100 000 clients), and a long run of
@@ -340,7 +343,7 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
     from fedhog.data import dataset_info, population_training_data
     from fedhog.engines.cohort import CohortTrainer, HogSettings
     from fedhog.models import ACTIVATIONS, NORMALIZATIONS, build_model
-    from fedhog.training import direction_seed
+    from fedhog.training import direction_seed, hog_rows
 
     unknown = set(names) - set(ACTIVATIONS)
     if unknown:
@@ -355,6 +358,12 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
     x, y, indices = population_training_data(config.data_spec)
     cohort = list(range(100))
     seeds = [direction_seed(config.seed, 1, p) for p in cohort]
+    term_rows = [indices[p][hog_rows(len(indices[p]), 32, s)] for p, s in zip(cohort, seeds, strict=True)]
+    width = max(len(rows) for rows in term_rows)
+    rows_index = torch.zeros(len(cohort), width, dtype=torch.int64)
+    rows_mask = torch.zeros(len(cohort), width)
+    for k, rows in enumerate(term_rows):
+        rows_index[k, :len(rows)], rows_mask[k, :len(rows)] = torch.as_tensor(rows), 1.0
     timings: dict[tuple[str, str, str], list[float]] = {}
     trainers = {}
     for model in ("mlp", "cnn1d"):
@@ -369,8 +378,15 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
                 began = time.perf_counter()
                 trainer.train(start, cohort, seeds, 1, config.batch_size, config.learning_rate, 0.0, hog)
                 timings.setdefault((model, mechanism, activation), []).append(time.perf_counter() - began)
-    rows = [{"model": m, "mechanism": k, "activation": a[0], "normalization": a[1], "seconds": statistics.median(t)}
-            for (m, k, a), t in timings.items()]
+            # the yardstick of the term: every client's gradient, vmapped, on the examples its term is computed on
+            stacked = {k: v.unsqueeze(0).expand(len(cohort), *v.shape).clone() for k, v in start.items()}
+            began = time.perf_counter()
+            trainer._losses_and_gradients(stacked, trainer.x[rows_index], trainer.y[rows_index], rows_mask)
+            timings.setdefault((model, "gradient", activation), []).append(time.perf_counter() - began)
+    gradient = {(m, *a): statistics.median(t) for (m, k, a), t in timings.items() if k == "gradient"}
+    rows = [{"model": m, "mechanism": k, "activation": a[0], "normalization": a[1], "seconds": statistics.median(t),
+             "term_rows_gradient_seconds": gradient[(m, *a)]}
+            for (m, k, a), t in timings.items() if k != "gradient"]
     if quiet:
         print(json.dumps({"rows": rows}, indent=2))
         return
@@ -380,14 +396,17 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
                 if r["mechanism"] == "gaussian"}
     print(f"a cohort of 100 (MNIST-1D, 1 local epoch of batch 10; hog: + the third-order term on 32 examples), "
           f"torch threads: {threads}; median of {rounds} interleaved repetitions\n")
-    print("| model | mechanism | activation | normalization | ms per cohort | × tanh's | hog × gaussian |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | mechanism | activation | normalization | ms per cohort | × tanh's | hog × gaussian "
+          "| ÷ gradient on the term's rows (hog: the term alone) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["model"] != "mlp", r["mechanism"],
                                          chosen.index((r["activation"], r["normalization"])))):
         own = r["model"], r["activation"], r["normalization"]
         hog = f"{r['seconds'] / gaussian[own]:.2f}" if r["mechanism"] == "hog" else ""
+        work = r["seconds"] - (gaussian[own] if r["mechanism"] == "hog" else 0.0)
         print(f"| {r['model']} | {r['mechanism']} | {r['activation']} | {r['normalization']} "
-              f"| {r['seconds'] * 1e3:.0f} | {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} |")
+              f"| {r['seconds'] * 1e3:.0f} | {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} "
+              f"| {work / gradient[own]:.2f} |")
 
 
 def _progress(row: dict, quiet: bool) -> None:
