@@ -143,8 +143,9 @@ class KaratsubaLinear(torch.autograd.Function):
         rows = x0.shape[0]
         mixed = w + lam * v
         gx = torch.cat([g_p, g2]) @ w
-        gx0 = gx[:rows] + g_r @ mixed
-        gx1 = g_q @ v + lam * (g_r @ mixed)
+        shared = g_r @ mixed  # in x̄₀ and x̄₁ both: one product
+        gx0 = gx[:rows] + shared
+        gx1 = g_q @ v + lam * shared
         gx2 = gx[rows:]
         gw = None
         if ctx.needs_input_grad[3]:  # accumulated: no stacked copy of the inputs, no weight-sized temporary
