@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -61,3 +63,13 @@ def call_at(model: torch.nn.Module, params: dict[str, torch.Tensor], f: Callable
         with torch.no_grad():
             for k, p in model.named_parameters():
                 p.copy_(saved[k])
+
+
+def load_simulation(name: str) -> ModuleType:
+    """The script ``simulations/<name>.py`` as a module (the folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "simulations" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

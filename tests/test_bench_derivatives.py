@@ -3,18 +3,14 @@ mode and a gradient really run (torch's FLOP counter)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import load_simulation
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fedhog.derivatives import third_order_vector
-
-SCRIPT = Path(__file__).resolve().parents[1] / "simulations" / "bench_derivatives.py"
 
 
 class MatmulFlops(TorchDispatchMode):
@@ -37,10 +33,7 @@ class MatmulFlops(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_derivatives", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_simulation("bench_derivatives")
 
 
 def test_product_ratio_counts_three_against_two_for_the_data_layer_and_eleven_against_three_after(bench):

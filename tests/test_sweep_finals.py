@@ -4,22 +4,17 @@ of a reference variant paired on seed."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "simulations" / "sweep_finals.py"
+from helpers import load_simulation
 
 
 @pytest.fixture(scope="module")
 def sweep_finals():
-    spec = importlib.util.spec_from_file_location("sweep_finals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_simulation("sweep_finals")
 
 
 ROWS = [  # cell_id, seed, round, accuracy: rows out of order, round 0 included, as results.csv may hold them
