@@ -29,6 +29,7 @@ from .results import (
     clear_stop_request,
     default_results_dir,
     describe_run,
+    load_run_config,
     mark_interrupted,
     read_run_document,
     record_launch,
@@ -301,7 +302,7 @@ def _resume(command: str, folder: Path, given: dict[str, Any]) -> tuple[RunConfi
         raise Refusal(f"nothing to resume: the run in {folder} has finished ({describe_run(document, False)}; accuracy "
                       f"{format_value(summary.get('final_accuracy'))}, ε = {format_value(summary.get('epsilon'))}); "
                       "its files are unchanged")
-    config = load_config(folder / "config.toml")
+    config = load_run_config(folder)
     checkpointed = (folder / "checkpoint.pt").exists()
     if not aggregator_of(config).resumable and document.get("rounds"):
         raise ConfigError(f"--resume {folder}: aggregator={config.aggregator!r} writes no checkpoints, so its "

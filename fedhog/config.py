@@ -85,6 +85,9 @@ class ConfigError(ValueError):
     """A configuration value that fedhog cannot run with."""
 
 
+NO_TARGET_EPSILON = -1.0  # target-epsilon's "no calibration": σ is noise-multiplier (a run config holds scalars only)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a fedhog run depends on. Field ``x_y`` is config key ``x-y``; a closed choice's field has its
@@ -133,7 +136,7 @@ class RunConfig:
     mechanism: MechanismName = "hog"
     clipping_norm: float = 1.0
     noise_multiplier: float = 1.0
-    target_epsilon: float = 0.0
+    target_epsilon: float = -1.0  # NO_TARGET_EPSILON: σ is noise-multiplier; > 0: σ calibrated to this ε
     mixing_strength: float = 0.5
     adaptive_clipping: bool = False
     target_quantile: float = 0.5
@@ -375,17 +378,12 @@ class RunConfig:
         _check("delta", self.delta, 0 < self.delta < 1, "a number in (0, 1)")
         _check("delta", self.delta, self.delta < 1 / self.population,
                f"δ < 1/population = {1 / self.population:g} (a larger δ allows leaking one client outright)")
-        _check("target-epsilon", self.target_epsilon,
-               self.target_epsilon == 0 or (math.isfinite(self.target_epsilon) and self.target_epsilon > 0),
-               "0 (off: use noise-multiplier) or a finite ε > 0")
-        if self.target_epsilon > 0 and self.mechanism not in CLIPPING_MECHANISMS:
-            raise ConfigError(f"target-epsilon={self.target_epsilon:g} needs mechanism {_either(CLIPPING_MECHANISMS)} "
-                              f"(mechanism={self.mechanism!r} adds no noise)")
+        self._validate_target_epsilon()
         _check("max-epsilon", self.max_epsilon, self.max_epsilon > 0 and not math.isnan(self.max_epsilon),
                "a number > 0 or inf")
         _check("max-update-norm", self.max_update_norm,
                self.max_update_norm > 0 and not math.isnan(self.max_update_norm), "a number > 0 or inf")
-        if math.isfinite(self.max_epsilon) and not self.privacy_mechanism.has_guarantee and self.target_epsilon == 0:
+        if math.isfinite(self.max_epsilon) and not self.privacy_mechanism.has_guarantee and not self.target_epsilon > 0:
             raise ConfigError(
                 f"max-epsilon={self.max_epsilon:g} cannot be met: mechanism={self.mechanism!r} with "
                 f"noise-multiplier={self.noise_multiplier:g} has no DP guarantee (ε = ∞)"
@@ -427,13 +425,25 @@ class RunConfig:
         With ``noise = "distributed"`` itself: the clients' σ_l is calibrated with the lattice
         (:meth:`secure_plan`), which needs the model's dimension.
         """
-        if self.target_epsilon == 0 or self.noise == "distributed":  # σ_l is calibrated with the lattice (secure_plan)
+        if not self.target_epsilon > 0 or self.noise == "distributed":  # distributed: with the lattice (secure_plan)
             return self
         sigma = aggregator_of(self).calibrate(
             target_epsilon=self.target_epsilon, delta=self.delta, rounds=self.rounds, sampling=self.sampling,
             sampling_rate=self.sampling_rate, population=self.population, accountant=self.accountant,
             expected_cohort=self.expected_cohort)
         return dataclasses.replace(self, noise_multiplier=sigma)
+
+    def _validate_target_epsilon(self) -> None:
+        """``target-epsilon``: -1 (:data:`NO_TARGET_EPSILON`) or a finite ε > 0 that a noising mechanism can meet."""
+        value = self.target_epsilon
+        _check("target-epsilon", value, value == NO_TARGET_EPSILON or (math.isfinite(value) and value > 0),
+               f"a finite ε > 0 to calibrate σ to, or {NO_TARGET_EPSILON:g} for no calibration (σ = noise-multiplier)"
+               + ("; 0 is not 'off': no σ reaches ε = 0" if value == 0 else ""))
+        if value > 0 and self.mechanism not in CLIPPING_MECHANISMS:
+            raise ConfigError(
+                f"target-epsilon={value:g} stands in the way of mechanism={self.mechanism!r}, which adds no noise, so "
+                f"no σ meets an ε target; unset it (--set target-epsilon={NO_TARGET_EPSILON:g}, or target-epsilon = "
+                f"{NO_TARGET_EPSILON:g} in the file) or choose mechanism {_either(CLIPPING_MECHANISMS)}")
 
     def _validate_aggregator(self) -> None:
         """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""
@@ -443,7 +453,7 @@ class RunConfig:
                 raise ConfigError(
                     f"aggregator={self.aggregator!r} needs {key}={toml_value(allowed)}, got {key}="
                     f"{toml_value(self._get(key))} ({aggregator.requirement})")
-        if aggregator.needs_noise and self.noise_multiplier == 0 and self.target_epsilon == 0:
+        if aggregator.needs_noise and self.noise_multiplier == 0 and not self.target_epsilon > 0:
             raise ConfigError(f"aggregator={self.aggregator!r} needs noise-multiplier > 0 or a target-epsilon "
                               "(Flower's accountant refuses σ = 0)")
 
@@ -481,7 +491,7 @@ class RunConfig:
     def _validate_distributed_noise(self) -> None:
         """Clients' noise needs a noise level and fixed-size cohorts
         (see :mod:`fedhog.privacy.distributed_gaussian`)."""
-        if self.noise_multiplier == 0 and self.target_epsilon == 0:
+        if self.noise_multiplier == 0 and not self.target_epsilon > 0:
             raise ConfigError("noise=\"distributed\" needs noise-multiplier > 0 or a target-epsilon "
                               "(noise-multiplier=0.0: the clients would add no noise)")
         if self.sampling != "fixed":
@@ -531,14 +541,14 @@ def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: M
         document = read_toml(path)
         values = document.get("tool", {}).get("flwr", {}).get("app", {}).get("config", document)
     for source in (values, overrides):
-        if source.get("target-epsilon", 0) and "noise-multiplier" in source:
+        if _sets_target(source) and "noise-multiplier" in source:
             raise ConfigError(f"noise-multiplier={source['noise-multiplier']!r} and target-epsilon="
                               f"{source['target-epsilon']!r} are both set: give σ, "
                               "or the ε to calibrate σ for, not both")
     replaced = {}  # the file's σ when an override asks to calibrate, the file's target when an override gives σ
-    if overrides.get("target-epsilon", 0) and "noise-multiplier" in values:
+    if _sets_target(overrides) and "noise-multiplier" in values:
         replaced["noise-multiplier"] = values["noise-multiplier"]
-    if "noise-multiplier" in overrides and values.get("target-epsilon", 0):
+    if "noise-multiplier" in overrides and _sets_target(values):
         replaced["target-epsilon"] = values["target-epsilon"]
     if replaced:
         given = ", ".join(f"{k}={toml_value(overrides[k])}" for k in PRIVACY_LEVEL_KEYS if k in overrides)
@@ -548,6 +558,13 @@ def load_config(path: str | Path | Mapping[str, Any] | None = None, overrides: M
                          "target-epsilon takes the place of the file's other")
         values = {k: v for k, v in values.items() if k not in replaced}
     return with_absolute_dataset(RunConfig.from_mapping({**values, **overrides}))
+
+
+def _sets_target(values: Mapping[str, Any]) -> bool:
+    """Whether ``values`` ask to calibrate σ: a ``target-epsilon`` > 0 (-1 is off; 0 and others
+    :meth:`RunConfig.validate` refuses, naming them)."""
+    value = values.get("target-epsilon", NO_TARGET_EPSILON)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def with_absolute_dataset(config: RunConfig) -> RunConfig:

@@ -71,7 +71,8 @@ MEANINGS: dict[str, str] = {
     'mechanism': 'none, gaussian, hog',
     'clipping-norm': 'C',
     'noise-multiplier': 'σ (noise std on the sum is σ·C)',
-    'target-epsilon': ('> 0: calibrate σ at the start of the run to the smallest that keeps ε ≤ this '
+    'target-epsilon': ('-1: no calibration (σ is noise-multiplier); > 0: calibrate σ at the start of the run to '
+                       'the smallest that keeps ε ≤ this '
                        'after rounds rounds (printed, and saved in metrics.json). Setting it and '
                        'noise-multiplier in one place (the file, or the --sets) is refused; a --set of'
                        " one replaces the file's other, and fedhog prints a note saying which value it"

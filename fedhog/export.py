@@ -20,10 +20,11 @@ from torch import nn
 
 from .choices import EXPORT_FORMATS as FORMATS
 from .choices import ExportFormat
-from .config import RunConfig, load_config, read_toml
+from .config import RunConfig, read_toml
 from .data import dataset_info
 from .files import atomic_write
 from .models import build_model
+from .results import load_run_config
 
 SUFFIXES = {"torchscript": "model.torchscript.pt", "state-dict": "model.state_dict.pt"}
 
@@ -57,7 +58,7 @@ def load_trained_model(results_dir: Path) -> TrainedModel:
     try:
         # A folder written before the activation became a key trained tanh models (fedhog.models.ACTIVATIONS).
         legacy = {} if "activation" in read_toml(config_path) else {"activation": "tanh"}
-        config = load_config(config_path, legacy)
+        config = load_run_config(results_dir, legacy)
         input_shape, num_classes = dataset_info(config.data_spec)
     except ValueError as error:  # ConfigError, or a dataset the data module rejects
         raise ExportError(f"{config_path} is not a usable run config: {error}") from None

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, RunConfig, toml_value
+from .config import NO_TARGET_EPSILON, ConfigError, RunConfig, load_config, read_toml, toml_value
 from .files import atomic_write, json_safe
 from .interrupts import deferred
 
@@ -168,6 +168,17 @@ def config_to_toml(config: RunConfig) -> str:
             continue
         lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def load_run_config(directory: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """The ``config.toml`` of the results folder ``directory`` (with ``overrides``), validated.
+
+    A folder written before ``target-epsilon = -1`` meant "no calibration" says
+    ``target-epsilon = 0.0`` for it, which a config given now is refused for: read as it was meant.
+    """
+    path = directory / "config.toml"
+    legacy = {"target-epsilon": NO_TARGET_EPSILON} if read_toml(path).get("target-epsilon") == 0 else {}
+    return load_config(path, {**legacy, **(overrides or {})})
 
 
 WITHHELD = "withheld"  # what metrics.json says of a fixed privacy-seed

@@ -134,7 +134,7 @@ def test_the_likelihood_ratio_is_the_subsampled_gaussian_one():
     {},
     {"mechanism": "hog"},
     {"adaptive-clipping": True},
-    pytest.param({"sampling": "fixed", "target-epsilon": 0.0, "noise-multiplier": 1.2},
+    pytest.param({"sampling": "fixed", "target-epsilon": -1.0, "noise-multiplier": 1.2},
                  marks=pytest.mark.slow),  # RDP without replacement, every round of the strategy: ~7 s
 ])
 def test_the_vectorized_harness_releases_what_the_strategy_releases(config):
@@ -157,7 +157,7 @@ def test_the_vectorized_harness_releases_what_the_strategy_releases(config):
 # --- the real mechanisms are not flagged -------------------------------------------------------------------
 @pytest.mark.parametrize("config", [
     {},
-    {"sampling": "fixed", "target-epsilon": 0.0, "noise-multiplier": 1.2},  # no calibration: RDP without
+    {"sampling": "fixed", "target-epsilon": -1.0, "noise-multiplier": 1.2},  # no calibration: RDP without
     {"mechanism": "hog"},                                                  # replacement costs seconds
     {"adaptive-clipping": True},
 ])
@@ -197,7 +197,7 @@ def test_real_end_to_end_and_mechanism_level_paths_stay_within(config, harness_n
 
 @pytest.mark.slow  # Opacus's import and hooks: ~5 s
 def test_real_dpsgd_stays_within_its_record_level_epsilon():
-    result = small_audit(config={"client-dp": "dpsgd", "target-epsilon": 0.0, "dpsgd-noise-multiplier": 1.0,
+    result = small_audit(config={"client-dp": "dpsgd", "target-epsilon": -1.0, "dpsgd-noise-multiplier": 1.0,
                                  "batch-size": 50}, canaries=500)
     assert result.harness == "dpsgd" and math.isfinite(result.epsilon_accounted)
     assert not result.violated
@@ -303,11 +303,11 @@ def test_bad_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="runs=0"):
         small_audit(runs=0)
     with pytest.raises(ConfigError, match=r"mechanism='none'.*no DP guarantee"):
-        small_audit(config={"mechanism": "none", "target-epsilon": 0.0})
+        small_audit(config={"mechanism": "none", "target-epsilon": -1.0})
     with pytest.raises(ConfigError, match="threat-model='everything'"):
         small_audit(threat_model="everything")
     with pytest.raises(ConfigError, match="canaries=3001"):
-        small_audit(config={"sampling": "fixed", "target-epsilon": 0.0, "noise-multiplier": 1.2}, canaries=3001)
+        small_audit(config={"sampling": "fixed", "target-epsilon": -1.0, "noise-multiplier": 1.2}, canaries=3001)
     (tmp_path / "other").write_text("x")
     with pytest.raises(ConfigError, match="results-dir"):
         small_audit(results_dir=tmp_path)

@@ -198,7 +198,7 @@ NON_DEFAULT = {
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
     "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True,
-    "target-epsilon": 0.0,  # with noise-multiplier set, target-epsilon stays off
+    "target-epsilon": -1.0,  # with noise-multiplier set, target-epsilon stays off
     "client-dp": "none",  # dpsgd excludes optimizer hog-step
     "aggregator": "fedhog",  # flower-dp excludes adaptive clipping, resume, max-update-norm
     "dpsgd-noise-multiplier": 0.8, "dpsgd-max-grad-norm": 0.5,
@@ -264,7 +264,7 @@ def test_noise_multiplier_and_target_epsilon_together_are_refused(tmp_path):
     path.write_text("noise-multiplier = 1.2\n")
     assert load_config(path, {"target-epsilon": 3.0}).target_epsilon == 3.0
     with pytest.raises(ConfigError, match="target-epsilon"):
-        RunConfig().with_overrides({"target-epsilon": -1.0})
+        RunConfig().with_overrides({"target-epsilon": -2.0})
 
 
 def test_an_unknown_activation_names_the_key_and_the_choices():

@@ -92,13 +92,13 @@ mechanism = "gaussian"
 [[variants]]
 name = "no-dp"
 mechanism = "none"
-target-epsilon = 0.0
+target-epsilon = -1.0
 """))
     ceiling = [c for c in sweep.cells if c.variant == "no-dp"]
     assert [c.cell_id for c in ceiling] == ["no-dp__seed=0", "no-dp__seed=1"]
-    assert all(c.config.target_epsilon == 0.0 and c.config.mechanism == "none" for c in ceiling)
+    assert all(c.config.target_epsilon == -1.0 and c.config.mechanism == "none" for c in ceiling)
     assert sweep.fixed_keys == {"no-dp": ["target-epsilon"]}
-    rows = [{"cell_id": "no-dp__seed=0", "variant": "no-dp", "target-epsilon": 0.0, "seed": 0},
+    rows = [{"cell_id": "no-dp__seed=0", "variant": "no-dp", "target-epsilon": -1.0, "seed": 0},
             {"cell_id": "gaussian__target-epsilon=1.0__seed=0", "variant": "gaussian", "target-epsilon": 1.0,
              "seed": 0}]
     broadcast = sweep.broadcast(rows)
@@ -125,7 +125,7 @@ def test_the_committed_privacy_utility_sweep_is_valid():
     sweep = load_sweep(ROOT / "configs" / "sweep_privacy_utility.toml")
     assert len(sweep.cells) == 6 * 3 * 5 + 5
     assert sweep.fixed_keys == {"no-dp": ["target-epsilon"]}
-    assert {c.config.target_epsilon for c in sweep.cells} == {0.0, 1.0, 3.0, 8.0}
+    assert {c.config.target_epsilon for c in sweep.cells} == {-1.0, 1.0, 3.0, 8.0}
     assert ("hog-random-term", "hog-γ0.5") in sweep.paired
     control = next(c for c in sweep.cells if c.variant == "hog-random-term")
     assert (control.config.mechanism, control.config.hog_term) == ("hog", "random")
@@ -189,7 +189,7 @@ def test_the_smoke_sweep_writes_the_csv_summary_and_plots(smoke):
     finals = [r for r in rows if r["round"] == "2"]
     for row in finals:
         if row["variant"] == "no-dp":
-            assert row["epsilon"] == "inf" and row["target-epsilon"] == "0.0"
+            assert row["epsilon"] == "inf" and row["target-epsilon"] == "-1.0"
         else:
             assert 0 < float(row["epsilon"]) <= float(row["target-epsilon"]) * 1.001
     # paired cells (same seed) share the initial model, and fedhog's Poisson cells the cohorts
@@ -378,7 +378,7 @@ mechanism = "hog"
 [[variants]]
 name = "no-dp"
 mechanism = "none"
-target-epsilon = 0.0
+target-epsilon = -1.0
 learning-rate = 0.1
 [tune]
 seeds = [7]
@@ -448,11 +448,11 @@ def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatc
         assert config.rounds == 2
         epsilon = dict(trial.condition).get("target-epsilon", 0.0)
         if trial.cell.variant == "no-dp":
-            assert config.target_epsilon == 0 and config.mechanism == "none"
+            assert config.target_epsilon == -1 and config.mechanism == "none"
             continue
         expected = calibrate_noise_multiplier(epsilon, config.delta, full_rounds, config.sampling,
                                               config.sampling_rate, config.population, config.accountant)
-        assert config.target_epsilon == 0 and config.noise_multiplier == pytest.approx(expected, rel=1e-12)
+        assert config.target_epsilon == -1 and config.noise_multiplier == pytest.approx(expected, rel=1e-12)
         short = calibrate_noise_multiplier(epsilon, config.delta, 2, config.sampling, config.sampling_rate,
                                            config.population, config.accountant)
         assert config.noise_multiplier > 1.1 * short  # not recalibrated for the shorter run

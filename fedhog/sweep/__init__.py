@@ -28,7 +28,7 @@ A sweep file is TOML::
 
 A cell is one combination of the grid values with one variant (the grid alone
 when there are no variants). A variant may set a condition key of the grid
-(``target-epsilon = 0.0`` for a no-DP ceiling): it then runs once per value of
+(``target-epsilon = -1.0`` for a no-DP ceiling): it then runs once per value of
 the other grid keys, and the paired tests and the plots compare it with every
 condition (a reference line); its id (``hog-gamma0.5__target-epsilon=1.0__seed=0``)
 comes from the variant's name and the grid values, and its run goes to

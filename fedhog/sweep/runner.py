@@ -19,10 +19,11 @@ import torch
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
 from ..engines import run_engine
 from ..flower_log import flower_logger
 from ..progress import console, read_metrics_file
+from ..results import load_run_config
 from .audit import collect_audits, is_audited, run_audits
 from .plots import plot_accuracy_vs_epsilon, plot_accuracy_vs_round
 from .report import summary_markdown, tuning_markdown
@@ -51,7 +52,7 @@ def is_finished(cell: Cell) -> bool:
     document = _finished_metrics(cell)
     if document is None:
         return False
-    stored = load_config(cell.directory / "config.toml")  # metrics.json withholds a fixed privacy-seed
+    stored = load_run_config(cell.directory)  # metrics.json withholds a fixed privacy-seed
     wanted = replace(cell.config, results_dir="")
     if replace(stored, results_dir="") != wanted:
         expected = wanted.to_mapping()

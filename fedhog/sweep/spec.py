@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..choices import CLIPPING_MECHANISMS
-from ..config import ConfigError, RunConfig, load_config, read_toml, unknown_key_message
+from ..config import NO_TARGET_EPSILON, ConfigError, RunConfig, load_config, read_toml, unknown_key_message
 from .stats import TrialScore, beyond_edge, choice_stability
 
 SWEEP_KEYS = ("output", "engine", "paired", "base", "grid", "variants", "tune", "audit")
@@ -403,12 +403,13 @@ def _shortened(mapping: dict[str, Any], full: RunConfig, rounds: int) -> dict[st
     """A tuning run of ``rounds`` rounds whose noise per round is the full-horizon cell's (σ calibrated for it)."""
     if rounds >= full.rounds:
         return mapping
-    if full.target_epsilon == 0:
+    if not full.target_epsilon > 0:
         return {**mapping, "rounds": rounds}
     if full.noise == "distributed":  # σ_l is calibrated with the model's lattice, not by RunConfig.calibrated
         raise SweepError(f"[tune] rounds={rounds} cannot keep the full horizon's noise with noise=\"distributed\" and "
                          "a target-epsilon; expected [tune] rounds = 0 (tuning runs as long as the cells)")
-    return {**mapping, "rounds": rounds, "target-epsilon": 0.0, "noise-multiplier": _full_horizon_sigma(full)}
+    return {**mapping, "rounds": rounds, "target-epsilon": NO_TARGET_EPSILON,
+            "noise-multiplier": _full_horizon_sigma(full)}
 
 
 def _full_horizon_sigma(config: RunConfig) -> float:
