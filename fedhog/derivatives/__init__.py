@@ -1,4 +1,5 @@
-"""Higher-order derivative engine: gradients, HVPs, third-order vectors and directional derivatives.
+"""Higher-order derivative engine: gradients, HVPs, third-order vectors, the Hessian trace's gradient and directional
+derivatives.
 
 Imports torch only.  See :mod:`fedhog.derivatives.engine` for the entry points;
 ``direction`` arguments and ``res.vector`` results are dicts keyed like
@@ -10,6 +11,7 @@ from .engine import (
     directional_derivatives,
     gradient,
     hessian,
+    hessian_trace_gradient,
     hessian_vector_product,
     third_order_vector,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "eval_mode",
     "gradient",
     "hessian",
+    "hessian_trace_gradient",
     "hessian_vector_product",
     "mse",
     "third_order_step_size",

@@ -191,7 +191,9 @@ def all_finite(*items: Params | Tensor | None) -> bool:
     return all(bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()) for t in tensors)
 
 
-Compute = Callable[[Params, Params, Tensor, Tensor], tuple[Params | Tensor, Tensor]]
+Output = Params | Tensor | tuple[Params, Tensor]
+"""A formulation's result: a parameter-shaped vector, other values, or both (``(vector, values)``)."""
+Compute = Callable[[Params, Params, Tensor, Tensor], tuple[Output, Tensor]]
 
 
 def evaluate(
@@ -201,7 +203,7 @@ def evaluate(
     targets: Tensor,
     compute: Compute,
     per_example: bool,
-) -> tuple[Params | Tensor, Tensor]:
+) -> tuple[Output, Tensor]:
     """Run ``compute(params, buffers, inputs, targets)`` in eval mode, or per example with ``vmap``.
 
     ``state`` is ``model_state(model)``; ``compute`` returns ``(result, loss)``, and
@@ -212,23 +214,24 @@ def evaluate(
         if not per_example:
             return compute(params, buffers, inputs, targets)
 
-        def one(x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
+        def one(x: Tensor, y: Tensor) -> tuple[Output, Tensor]:
             return compute(params, buffers, x.unsqueeze(0), y.unsqueeze(0))
 
         return vmap(one)(inputs, targets)
 
 
-def _detach(out: Params | Tensor) -> Params | Tensor:
-    if isinstance(out, dict):
-        return {k: t.detach() for k, t in out.items()}
-    return out.detach()
-
-
-def finish(out: Params | Tensor, value: Tensor, method: str, start: float) -> HigherOrderResult:
-    """Package detached outputs into a ``HigherOrderResult``."""
-    out, value = _detach(out), value.detach()
-    vector = out if isinstance(out, dict) else None
-    values = None if isinstance(out, dict) else out
+def finish(out: Output, value: Tensor, method: str, start: float) -> HigherOrderResult:
+    """Package detached outputs into a ``HigherOrderResult`` (a ``(vector, values)`` pair fills both)."""
+    vector: Params | None = None
+    values: Tensor | None = None
+    if isinstance(out, tuple):
+        vector, values = out
+    elif isinstance(out, dict):
+        vector = out
+    else:
+        values = out
+    vector = None if vector is None else {k: t.detach() for k, t in vector.items()}
+    values, value = None if values is None else values.detach(), value.detach()
     return HigherOrderResult(
         vector=vector,
         finite=all_finite(vector, values, value),

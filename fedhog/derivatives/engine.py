@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad
+from torch.func import grad, vmap
 
 from . import functional as fn
 from .api import (
     Compute,
     HigherOrderResult,
+    Output,
     Params,
     batch_objective,
     check_direction,
@@ -46,7 +48,11 @@ from .taylor import LOSS_SERIES, loss_series, program_for
 from .trusted import TrustedDerivatives
 
 METHODS = ("auto", "taylor", "torch.func", "autograd")
-Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Params | Tensor, Tensor]]
+DISTRIBUTIONS = ("rademacher", "gaussian")
+"""Hutchinson's directions: both have E[v vᵀ] = I; Rademacher's estimate has the smaller variance (it drops
+Gaussian's 2 Σ_j T_ijj² per coordinate, ``tests/test_hessian_trace_gradient.py``)."""
+DEFAULT_SAMPLES = 4
+Formulation = Callable[[Callable[[Params], Tensor], Params], tuple[Output, Tensor]]
 #: (params, buffers, direction v, inputs, targets, n) -> the Taylor coefficients [n] of s ↦ L(θ + s v)
 LossSeries = Callable[[Params, Params, Params, Tensor, Tensor, int], Tensor]
 
@@ -74,7 +80,7 @@ def _reference(model: nn.Module, loss: str | LossFn, formulation: Formulation) -
     """Run a ``torch.func``/``autograd`` formulation with normalisations routed to trusted forms."""
     loss_fn = get_loss(loss)
 
-    def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Params | Tensor, Tensor]:
+    def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[Output, Tensor]:
         with TrustedDerivatives():
             return formulation(batch_objective(model, buffers, loss_fn, x, y), params)
 
@@ -358,3 +364,149 @@ def hessian(
 
     computes: dict[str, Compute | Unsupported] = {"torch.func": _reference(model, loss, dense)}
     return _run(model, model_state(model), inputs, targets, method, per_example, computes, "Hessian")
+
+
+def _taylor_trace_gradient(program: LossSeries | Unsupported, vs: Params) -> Compute | Unsupported:
+    """``mean_k ∇_θ(2 c₂,k)`` with ``c`` the Taylor coefficients of ``L(θ + s v_k)``, and the ``2 c₂,k``.
+
+    The order-2 series is vmapped over the stacked directions only, so what does not depend on them (the
+    primal ``c₀`` of every layer, and the products of the data with ``θ``) is computed once; one reverse pass
+    of the mean gives the average of the k third-order vectors. One direction runs unvmapped, as
+    :func:`third_order_vector` does.
+    """
+    if isinstance(program, Unsupported):
+        return program
+
+    def compute(params: Params, buffers: Params, x: Tensor, y: Tensor) -> tuple[tuple[Params, Tensor], Tensor]:
+        with torch.enable_grad():
+            leaves = {name: t.detach().requires_grad_(True) for name, t in params.items()}
+
+            def quadratic(v: Params) -> tuple[Tensor, Tensor]:
+                c = program(leaves, buffers, v, x, y, 3)
+                return 2 * c[2], c[0]
+
+            if next(iter(vs.values())).shape[0] == 1:  # one direction: no vmap (its fused rules apply)
+                form, value = quadratic({n: d[0] for n, d in vs.items()})
+                forms, values = form[None], value[None]
+            else:
+                forms, values = vmap(quadratic)(vs)
+            target = forms.mean()
+            if not target.requires_grad:  # vᵀ∇²L v does not depend on θ (a quadratic loss of a linear model)
+                return ({n: torch.zeros_like(t) for n, t in params.items()}, forms.detach()), values[0].detach()
+            grads = torch.autograd.grad(target, list(leaves.values()), allow_unused=True)
+        pairs = zip(params.items(), grads, strict=True)
+        return ({n: torch.zeros_like(t) if g is None else g for (n, t), g in pairs}, forms.detach()), values[0].detach()
+
+    return compute
+
+
+def _check_directions(directions: Any, params: Params) -> Params:
+    """A non-empty sequence of directions (each as :func:`check_direction` wants) stacked ``{name: [k, …]}``."""
+    if isinstance(directions, (Mapping, Tensor)) or not isinstance(directions, Sequence) or not directions:
+        raise TypeError(
+            "directions must be a non-empty list of dicts keyed like dict(model.named_parameters()) (one dict a "
+            f"direction); got {describe(directions)}"
+        )
+    checked = []
+    for i, d in enumerate(directions):
+        try:
+            checked.append(check_direction(d, params))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"directions[{i}]: {exc}") from None
+    return {k: torch.stack([d[k] for d in checked]) for k in params}
+
+
+def _check_samples(samples: Any) -> int:
+    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 1:
+        raise ValueError(f"samples must be a positive int (Hutchinson's random directions); got {describe(samples)}")
+    return int(samples)
+
+
+def random_directions(params: Params, samples: int, distribution: str,
+                      generator: torch.Generator | None = None) -> Params:
+    """``samples`` directions ``{name: [samples, …]}`` with i.i.d. entries, Rademacher (±1) or standard normal,
+    drawn from ``generator`` (torch's default generator when None) in float64 and cast to each parameter."""
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}; got {describe(distribution)}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {describe(generator)}")
+    numel = sum(p.numel() for p in params.values())
+    device = generator.device if generator is not None else torch.device("cpu")
+    if distribution == "rademacher":
+        flat = torch.randint(0, 2, (samples, numel), generator=generator, device=device).to(torch.float64) * 2 - 1
+    else:
+        flat = torch.randn(samples, numel, generator=generator, device=device, dtype=torch.float64)
+    pieces = flat.split([p.numel() for p in params.values()], dim=1)
+    return {k: piece.reshape(samples, *p.shape).to(p) for (k, p), piece in zip(params.items(), pieces, strict=True)}
+
+
+def hessian_trace_gradient(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    directions: Sequence[Params] | None = None,
+    samples: int | None = None,
+    generator: torch.Generator | None = None,
+    distribution: str = "rademacher",
+    loss: str | LossFn = "cross_entropy",
+    method: str = "auto",
+) -> HigherOrderResult:
+    """Gradient of the Hessian's trace, ``∇_θ tr ∇²_θ L``, by Hutchinson's estimator, in ``res.vector``.
+
+    ``tr ∇²L = E_v[vᵀ∇²L v]`` for any ``v`` with ``E[v vᵀ] = I``, so ``∇ tr ∇²L = E_v[∇(vᵀ∇²L v)]``: the mean of
+    third-order vectors (:func:`third_order_vector`). With explicit ``directions`` the result is exactly
+    ``mean_k ∇_θ(v_kᵀ∇²L v_k)``; otherwise ``samples`` (default :data:`DEFAULT_SAMPLES`) directions are drawn
+    from ``generator`` with ``distribution`` ``"rademacher"`` (±1 entries, the smaller variance) or
+    ``"gaussian"``. The k directions run in one batched pass: Taylor mode vmaps the order-2 series over them,
+    so the primal and what they share are computed once, and one reverse pass differentiates their mean.
+    ``res.values[k]`` is ``v_kᵀ∇²L v_k`` (their mean estimates ``tr ∇²L``). Methods: ``"taylor"``,
+    ``"torch.func"`` (vmapped reverse-over-forward-over-forward), ``"autograd"`` (triple backward, the value
+    and the gradient's graph once).
+
+    Parameters
+    ----------
+    model, inputs, targets, loss, method
+        As in :func:`third_order_vector` (no ``per_example``).
+    directions : list of dict[str, Tensor], keyword-only
+        Explicit ``v_k``, each keyed like ``dict(model.named_parameters())``; excludes ``samples`` and
+        ``generator``.
+    samples : int, keyword-only
+        Number of random directions.
+    generator : torch.Generator, keyword-only
+        Where the random directions come from (torch's default generator when None).
+    distribution : {"rademacher", "gaussian"}, keyword-only
+        Their entries' distribution.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an argument of the wrong type or value; the message names it.
+    Unsupported, UntrustedOperation
+        As :func:`third_order_vector`.
+    """
+    _check_common(model, inputs, targets, loss, method, False)
+    state = model_state(model)
+    if directions is not None:
+        if samples is not None or generator is not None:
+            raise ValueError("directions are explicit: samples and generator draw random ones; give one or the other")
+        vs = _check_directions(directions, state[0])
+    else:
+        vs = random_directions(state[0], _check_samples(DEFAULT_SAMPLES if samples is None else samples),
+                               distribution, generator)
+    program = _program(model, loss)
+
+    def reference(formulation: Callable[[Callable[[Params], Tensor], Params, Params], tuple[Params, Tensor, Tensor]]
+                  ) -> Compute:
+        def run(f: Callable[[Params], Tensor], p: Params) -> tuple[tuple[Params, Tensor], Tensor]:
+            t, forms, value = formulation(f, p, vs)
+            return (t, forms), value
+
+        return _reference(model, loss, run)
+
+    computes: dict[str, Compute | Unsupported] = {
+        "taylor": _taylor_trace_gradient(program, vs),
+        "torch.func": reference(fn.func_trace_gradient),
+        "autograd": reference(fn.autograd_trace_gradient),
+    }
+    return _run(model, state, inputs, targets, method, False, computes, "Hessian trace gradient")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import grad, grad_and_value, hessian, jvp
+from torch.func import grad, grad_and_value, hessian, jvp, vmap
 
 Params = dict[str, Tensor]
 ScalarFn = Callable[[Params], Tensor]
@@ -96,10 +96,11 @@ def _leaves(params: Params) -> Params:
     return {k: p.detach().requires_grad_(True) for k, p in params.items()}
 
 
-def _grad(out: Tensor, params: Params, create_graph: bool) -> Params:
+def _grad(out: Tensor, params: Params, create_graph: bool, retain_graph: bool | None = None) -> Params:
     if not out.requires_grad:  # out does not depend on params: derivative is zero
         return {k: torch.zeros_like(p) for k, p in params.items()}
-    gs = torch.autograd.grad(out, list(params.values()), create_graph=create_graph, allow_unused=True)
+    gs = torch.autograd.grad(out, list(params.values()), create_graph=create_graph, retain_graph=retain_graph,
+                             allow_unused=True)
     return {k: torch.zeros_like(p) if g is None else g for (k, p), g in zip(params.items(), gs, strict=True)}
 
 
@@ -132,3 +133,42 @@ def autograd_third_order(f: ScalarFn, params: Params, v: Params) -> tuple[Params
         g = _grad(value, p, True)
         hv = _grad(_dot(g, v), p, True)
         return _grad(_dot(hv, v), p, False), value.detach()
+
+
+def func_trace_gradient(f: ScalarFn, params: Params, vs: Params) -> tuple[Params, Tensor, Tensor]:
+    """Return ``(mean_k ∇(v_kᵀ∇²f v_k), [v_kᵀ∇²f v_k]_k, f)`` for directions stacked ``[k, …]`` in ``vs``.
+
+    Reverse over forward over forward (as :func:`func_third_order`), vmapped over the directions.
+    """
+
+    def one(v: Params) -> tuple[Params, tuple[Tensor, Tensor]]:
+        def second(p: Params) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+            def first(q: Params) -> tuple[Tensor, Tensor]:
+                return _jvp(f, (q,), (v,))
+
+            (value, _), (_, d2) = _jvp(first, (p,), (v,))
+            return d2, (d2.detach(), value.detach())
+
+        return grad(second, has_aux=True)(params)
+
+    t, (forms, values) = vmap(one)(vs)
+    return {k: g.mean(0) for k, g in t.items()}, forms, values[0]
+
+
+def autograd_trace_gradient(f: ScalarFn, params: Params, vs: Params) -> tuple[Params, Tensor, Tensor]:
+    """:func:`func_trace_gradient` by triple backward: the value and the gradient's graph once, then per direction
+    a Hessian-vector product and the gradient of ``vᵀ∇²f v``."""
+    count = next(iter(vs.values())).shape[0]
+    with torch.enable_grad():
+        p = _leaves(params)
+        value = f(p)
+        g = _grad(value, p, True)
+        total = {k: torch.zeros_like(t) for k, t in params.items()}
+        forms = []
+        for i in range(count):
+            v = {k: d[i] for k, d in vs.items()}
+            form = _dot(_grad(_dot(g, v), p, True), v)
+            for k, t in _grad(form, p, False, retain_graph=i < count - 1).items():
+                total[k] += t.detach()
+            forms.append(form.detach())
+    return {k: t / count for k, t in total.items()}, torch.stack(forms), value.detach()

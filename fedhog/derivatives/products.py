@@ -102,6 +102,17 @@ def _batched(t: Tensor) -> bool:
     return True if wrapped is None else bool(wrapped(t))
 
 
+def vmapped_deeper(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is batched by more ``vmap`` levels than ``a``: a primal shared by a batch of directions.
+
+    A custom ``autograd.Function`` with ``generate_vmap_rule`` gets the gradient of such an unbatched output
+    wrong when the gradient arriving at it is batched (torch 2.13: it is not summed over the batch), so the
+    fused rules below step aside for plain operations, whose rules are right.
+    """
+    level = torch._C._functorch.maybe_get_level
+    return bool(level(a) < level(b))
+
+
 class KaratsubaLinear(torch.autograd.Function):
     """Order-2 series of ``F.linear(X(s), W + sV)`` (no bias): ``(y₀, y₁, y₂)`` from ``(x₀, x₁, x₂)``.
 
@@ -170,6 +181,7 @@ def karatsuba_linear_applies(xs: Sequence[Tensor], ws: Sequence[Tensor], n: int)
         and xs[0].dim() >= 2
         and torch.is_grad_enabled()
         and macs(xs[0], ws[0]) >= KARATSUBA_MIN_MACS
+        and not (vmapped_deeper(xs[0], xs[1]) or vmapped_deeper(ws[0], ws[1]))
     )
 
 

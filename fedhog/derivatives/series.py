@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import products
+
 Series = tuple[Tensor, ...]
 Term = tuple[float, Tensor, Tensor]
 
@@ -142,7 +144,10 @@ def gelu(z: Series, n: int) -> Series:
     Order 2 recorded for a reverse pass (the third-order terms' case) goes through :class:`GeluOrderTwo`.
     """
     if n == 3 and len(z) in (2, 3) and torch.is_grad_enabled() and all(c.shape == z[0].shape for c in z):
-        return tuple(GeluOrderTwo.apply(z[0], z[1], z[2] if len(z) == 3 else None))
+        y = tuple(GeluOrderTwo.apply(z[0], z[1], z[2] if len(z) == 3 else None))
+        if any(products.vmapped_deeper(z[0], c) for c in z[1:]):  # directions vmapped over one primal
+            return (z[0] * (0.5 * (1 + torch.erf(z[0] / math.sqrt(2)))), *y[1:])  # y₀ by plain operations
+        return y
     phi = [torch.exp(-0.5 * z[0] * z[0]) / math.sqrt(2 * math.pi)]
     big_phi = [0.5 * (1 + torch.erf(z[0] / math.sqrt(2)))]
     u = [z[0] * phi[0]]  # u = z φ
