@@ -11,7 +11,7 @@ from typing import Any
 from .config import ConfigError, RunConfig, load_config
 from .engines import DEFAULT_ENGINE, check_run, claim_run, engine_named, run_engine
 from .flower_log import flower_log_level
-from .results import mark_interrupted, read_run_document
+from .results import mark_failed, mark_interrupted, read_run_document
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,12 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
     except KeyboardInterrupt:  # what finished stays: fedhog run --resume <directory> continues it
         mark_interrupted(directory)
         raise
-    except Exception as error:  # the ServerApp wrote the failure into metrics.json too
+    except Exception as error:  # the ServerApp wrote the failure into metrics.json, unless it failed before
+        mark_failed(directory, f"{type(error).__name__}: {error}")
         raise RunFailed(f"{type(error).__name__}: {error} (what was done is in {directory})", directory) from error
     document = read_run_document(directory) or {}
     if document.get("status") != "finished":
+        mark_failed(directory, "the run ended without finishing")
         raise RunFailed(f"the run did not finish: {document.get('error', 'no metrics.json')} "
                         f"(what was done is in {directory})", directory)
     return RunResult(directory, document)

@@ -30,6 +30,7 @@ from .results import (
     default_results_dir,
     describe_run,
     load_run_config,
+    mark_failed,
     mark_interrupted,
     read_run_document,
     record_launch,
@@ -453,6 +454,8 @@ def export_command(results: Path, fmt: ExportFormat, out: Path | None = None) ->
 
 
 def _report(directory: Path, failed: bool, error: object) -> int:
+    if failed:  # what stopped it before the ServerApp could record it (or its process died) is recorded here
+        mark_failed(directory, str(error or "the run did not finish"))
     document = read_metrics_file(directory / "metrics.json")
     if failed or not document or document.get("status") != "finished":
         reason = (document or {}).get("error") or error or "the run did not finish"

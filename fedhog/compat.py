@@ -133,10 +133,14 @@ def _dense(pmf: Any) -> DensePmf | None:
     return DensePmf(pmf, pmf._probs, pmf._lower_loss, pmf._infinity_mass)
 
 
-def dense_pmfs(pld: PrivacyLossDistribution) -> tuple[DensePmf, DensePmf | None] | None:
-    """The (remove, add) PMFs of ``pld`` (add None when it is symmetric); None unless they are dense."""
-    remove = _dense(pld._pmf_remove)
-    add = None if pld._symmetric else _dense(pld._pmf_add)
+def dense_pmfs(pld: PrivacyLossDistribution, densify: bool = False) -> tuple[DensePmf, DensePmf | None] | None:
+    """The (remove, add) PMFs of ``pld`` (add None when it is symmetric); None unless they are dense (with
+    ``densify``, sparse ones made dense, as ``dp_accounting`` does before composing them many times)."""
+    pmfs = (pld._pmf_remove, pld._pmf_add)
+    if densify:
+        pmfs = tuple(pmf if type(pmf).__name__ == "DensePLDPmf" else pmf.to_dense_pmf() for pmf in pmfs)
+    remove = _dense(pmfs[0])
+    add = None if pld._symmetric else _dense(pmfs[1])
     if remove is None or (add is None and not pld._symmetric):
         return None
     return remove, add

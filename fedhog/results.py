@@ -142,6 +142,15 @@ def mark_interrupted(directory: Path) -> None:
         atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
 
 
+def mark_failed(directory: Path, reason: str) -> None:
+    """Set ``metrics.json``'s status to ``failed`` with ``reason`` unless the run there finished or says why it
+    stopped (a failure the ServerApp recorded keeps its own reason)."""
+    document = read_run_document(directory)
+    if document is not None and document.get("status") in ("starting", "running"):
+        document.update(status="failed", error=reason)
+        atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
+
+
 def client_error_summary(reason: str, limit: int = 300) -> str:
     """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped,
     at most ``limit`` characters.

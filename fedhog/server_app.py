@@ -115,8 +115,24 @@ def run_server(grid: Grid, config: RunConfig) -> Path:
     checkpoint = load_checkpoint(directory) if config.resume else None
     kept = checkpointed_rounds(directory, checkpoint) if checkpoint is not None else None
     writer = ResultsWriter(directory, config.with_overrides({"resume": False}), rounds=kept)
-    with _stages_into(writer):
+    with _stages_into(writer), _outcome_recorded(writer, started):
         return _train(grid, config, writer, checkpoint, started)
+
+
+@contextmanager
+def _outcome_recorded(writer: ResultsWriter, started: float) -> Iterator[None]:
+    """Whatever stops the run before it finishes, ``metrics.json`` says so: ``interrupted`` (Ctrl-C, SIGTERM:
+    resumable from the last checkpoint) or ``failed`` with the error, from calibration to the last round."""
+    try:
+        yield
+    except BaseException as error:
+        with deferred():
+            if interrupt_exit_code(error) is not None:
+                writer.update(status="interrupted", seconds=time.perf_counter() - started)
+            else:
+                writer.update(status="failed", error=f"{type(error).__name__}: {error}",
+                              seconds=time.perf_counter() - started)
+        raise
 
 
 @contextmanager
@@ -209,14 +225,6 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
         arrays, epsilon = SERVERS[config.aggregator](grid, config, ServerRun(writer, monitor, initial, evaluate_fn,
                                                                    evaluate_with(copy.deepcopy(model)), checkpoint,
                                                                    diagnose))
-    except BaseException as error:
-        with deferred():
-            if interrupt_exit_code(error) is not None:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
-                writer.update(status="interrupted", seconds=time.perf_counter() - started)
-            else:
-                writer.update(status="failed", error=f"{type(error).__name__}: {error}",
-                              seconds=time.perf_counter() - started)
-        raise
     finally:
         if writer.document["rounds"]:  # the last rounds' gauges, which the snapshot's cadence may have skipped
             monitor.write_snapshot(writer.directory / SNAPSHOT_NAME)

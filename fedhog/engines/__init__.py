@@ -85,9 +85,13 @@ def run_engine(name: str, config: RunConfig, client_cpus: int = 1) -> None:
 
 
 def check_run(config: RunConfig) -> None:
-    """The checks before a run starts on any engine: the device exists, and :func:`check_inputs`."""
+    """The checks before a run starts on any engine: the device exists, :func:`check_inputs`, and the machine can
+    hold its accounting (:func:`~fedhog.feasibility.check_feasible`)."""
+    from ..feasibility import check_feasible
+
     check_device(config.device)
     check_inputs(config)
+    check_feasible(config)
 
 
 def check_inputs(config: RunConfig) -> None:

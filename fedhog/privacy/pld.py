@@ -273,6 +273,16 @@ def _release_pld(event: GaussianPrivacyEvent, sampling_method: SamplingMethod, c
         neighboring_relation=neighbours)
 
 
+def composition_bytes(noise_multiplier: float, sampling_probability: float, count: int,
+                      relation: str = "ADD_OR_REMOVE_ONE",
+                      interval: float = 1e-3) -> int:
+    """The memory ε after ``count`` releases of a Poisson-subsampled Gaussian takes to compose (its FFTs), found
+    from the one-release PLD's truncation bounds without composing it; 0 where nothing is composed."""
+    if sampling_probability == 0 or noise_multiplier == 0:
+        return 0
+    return _subsampled_gaussian(noise_multiplier, sampling_probability, relation, interval).working_bytes(count)
+
+
 @functools.lru_cache(maxsize=16)
 def _subsampled_gaussian(noise_multiplier: float, sampling_probability: float, relation: str,
                          interval: float) -> SelfComposition:

@@ -59,6 +59,11 @@ class _PmfSelfComposition:
                 spectrum = self._spectra[length] = fft.fft(self._pmf.probs, length)
             return spectrum
 
+    def fft_length(self, num_times: int) -> int:
+        """The FFT length that composing ``num_times`` times takes (grows about linearly with it)."""
+        lower, upper = self._bounds(num_times)
+        return int(fft.next_fast_len(max(upper - lower + 1, len(self._pmf.probs))))
+
     def __call__(self, num_times: int) -> object:
         if num_times <= 0:
             raise ValueError(f"num_times should be >= 1, num_times={num_times}")
@@ -87,6 +92,16 @@ class SelfComposition:
         if pmfs is not None:
             self._remove = _PmfSelfComposition(pmfs[0], tail_mass_truncation)
             self._add = None if pmfs[1] is None else _PmfSelfComposition(pmfs[1], tail_mass_truncation)
+
+    def working_bytes(self, num_times: int) -> int:
+        """The memory composing ``num_times`` times takes at its peak: per PMF a spectrum, its power and inverse
+        (complex128) of :meth:`_PmfSelfComposition.fft_length` (sparse PMFs are made dense first, as
+        ``dp_accounting`` does for many compositions)."""
+        pmfs = dense_pmfs(self._pld, densify=True)
+        if pmfs is None:
+            return 0
+        sizing = [_PmfSelfComposition(pmf, self._tail) for pmf in pmfs if pmf is not None]
+        return sum(3 * 16 * pmf.fft_length(num_times) for pmf in sizing)
 
     def __call__(self, num_times: int) -> PrivacyLossDistribution:
         """The PLD of ``num_times`` compositions: the same as ``pld.self_compose(num_times)``, bit for bit."""
