@@ -43,6 +43,10 @@ from .write_behind import WriteBehind
 app = ServerApp()
 _stage = logging.getLogger("fedhog.stage").info  # the progress display's line before the first round
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord]
+#: The writer thread's evaluation takes the round's model as tensors: decoding an ArrayRecord (``np.load``, whose
+#: header ``ast.literal_eval`` parses) there while the round's thread decodes the next would build ASTs in two
+#: threads, which CPython 3.11 can fail ("AST constructor recursion depth mismatch"; simulations/ast_threads.py).
+StateEvaluateFn = Callable[[int, dict[str, torch.Tensor]], MetricRecord]
 Diagnose = Callable[[RoundRecord, ArrayRecord], None]
 DIAGNOSTIC_EXAMPLES = 512  # the server's test examples that saturation is counted on
 
@@ -55,7 +59,7 @@ class ServerRun:
     monitor: ServerMetrics
     initial: ArrayRecord
     evaluate_fn: EvaluateFn
-    evaluate_behind: EvaluateFn  # the same evaluation with a model of its own, for the writer thread
+    evaluate_behind: StateEvaluateFn  # the same evaluation with a model of its own, for the writer thread
     checkpoint: Checkpoint | None
     diagnose: Diagnose
 
@@ -177,10 +181,10 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
     test_set = load_test_set(config.data_spec)
     validation_set = load_server_validation_set(config.data_spec)
 
-    def evaluate_with(evaluated: torch.nn.Module) -> EvaluateFn:
-        """The test and validation sets' metrics of a round's model, loaded into ``evaluated``."""
-        def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-            evaluated.load_state_dict(arrays.to_torch_state_dict())
+    def evaluate_with(evaluated: torch.nn.Module) -> StateEvaluateFn:
+        """The test and validation sets' metrics of a round's model (its tensors), loaded into ``evaluated``."""
+        def evaluate_fn(server_round: int, state: dict[str, torch.Tensor]) -> MetricRecord:
+            evaluated.load_state_dict(state)
             metrics = evaluate_metrics(evaluated, test_set, config.test_metrics)
             if len(validation_set):
                 held = evaluate_metrics(evaluated, validation_set)
@@ -189,7 +193,10 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
 
         return evaluate_fn
 
-    evaluate_fn = evaluate_with(model)
+    evaluate_state = evaluate_with(model)
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        return evaluate_state(server_round, arrays.to_torch_state_dict())
 
     initial = ArrayRecord(model.state_dict())
     initial_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -281,7 +288,7 @@ def run_secure_aggregator(grid: Grid, config: RunConfig, run: ServerRun) -> tupl
 
         def write() -> None:
             if behind:
-                shown.take_evaluation(evaluate_behind(shown.round, ArrayRecord(model)))
+                shown.take_evaluation(evaluate_behind(shown.round, model))
             # the checkpoint first: whatever shows the round (its log line, metrics.json, the Prometheus gauges)
             # is written after it, so a resume never releases again a round that anyone has seen
             save_checkpoint(writer.directory, Checkpoint(
