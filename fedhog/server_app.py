@@ -215,6 +215,9 @@ def _train(grid: Grid, config: RunConfig, writer: ResultsWriter, checkpoint: Che
                          **saturated_fractions(model, probe)}
         record.warnings = warnings_for(record.layers)
         shown = alarms(record.layers)
+        if diverging := record.divergence_warning(config.learning_rate):
+            record.warnings.append(diverging)
+            shown.append(diverging)
         for warning in record.warnings:
             layer = warning.split(":")[0]
             if layer not in warned:  # once per layer and kind in the log; every round in metrics.json

@@ -84,6 +84,17 @@ class RoundRecord:
     layers: dict[str, float] = field(default_factory=dict)  # fedhog.diagnostics: norm/, growth/, walk/, saturated/
     warnings: list[str] = field(default_factory=list)  # fedhog.alarms.warnings_for(layers)
 
+    def divergence_warning(self, learning_rate: float) -> str:
+        """A warning when most of the sampled cohort sent non-finite updates or terms (local training diverges,
+        and the release is the noise and the few finite clients); empty otherwise."""
+        non_finite = sum(self.rejections.get(kind, 0)
+                         for kind in (Rejection.NON_FINITE_VALUES, Rejection.NON_FINITE_THIRD_ORDER_TERM))
+        if not self.clients_sampled or 2 * non_finite <= self.clients_sampled:
+            return ""
+        return (f"divergence: {non_finite} of {self.clients_sampled} sampled clients sent NaN or inf (local "
+                f"training diverges at learning-rate={learning_rate:g}); lower learning-rate, local-epochs or "
+                "clipping-norm")
+
     def take_evaluation(self, metrics: Mapping[str, Any]) -> None:
         """The server's evaluation of the round's model: ``accuracy``, ``loss``; validation, AUROC and AUPRC
         where measured (NaN otherwise)."""
