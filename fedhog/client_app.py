@@ -8,29 +8,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import lru_cache
+from logging import WARNING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
 
 from . import protocol
 from .aggregators import aggregator_of
 from .client_state import accountant_path, load_accountant_state, save_accountant_state, state_dir
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
-from .derivatives import third_order_vector
+from .derivatives import hessian_trace_gradient, third_order_vector
+from .derivatives.engine import random_directions as hutchinson_directions
 from .dpsgd import RecordPrivacy, train_dpsgd
 from .flower_baseline import flower_dp_reply
 from .layout import flatten
 from .models import build_model
 from .monitoring import measure_peak_memory
+from .privacy.accounting import accountant_noise_multiplier
+from .privacy.noise_aware import local_step_scale
 from .privacy.randomness import PrivacyRandomness, client_bits
 from .protocol import LocalWork
 from .replies import global_model_of, metric_record, server_round_of, term_keyed_like, to_cpu, train_reply
 from .secure_aggregation.client import ClientGuard, handle_stage, is_secaggplus
+from .secure_aggregation.floors import NodeConfigError, NodeFloors, RunTerms
 from .secure_aggregation.graph import threshold_count
+from .secure_aggregation.ledger import Release, ReleaseLedger, RoundRefused, ledger_path
+from .secure_aggregation.promise import ClientPromise
 from .training import (
     control_term_seed,
     direction_seed,
@@ -67,24 +77,110 @@ def identify(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train locally from the global model; reply with Δ, t and metrics (or run a SecAgg+ stage)."""
+    """Train locally from the global model; reply with Δ, t and metrics (or run a SecAgg+ stage).
+
+    Each contribution is admitted by the client's promise first (its release ledger and its operator's floors,
+    :func:`client_promise`); a refusal reaches the server as one line, without paths or a traceback.
+    """
+    try:
+        return _train(msg, context)
+    except (RoundRefused, NodeConfigError) as refusal:
+        reason = f"{type(refusal).__name__}: {' '.join(str(refusal).split())}"
+        log(WARNING, "Refused a train message: %s", reason)
+        return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
+
+
+def _train(msg: Message, context: Context) -> Message:
     if is_secaggplus(msg):
+        config = run_config_of(context)
         return handle_stage(msg, context, lambda bits: secure_contribution(msg, context, bits),
-                            client_guard(run_config_of(context)))
+                            client_guard(config), client_promise(context, config))
     config = run_config_of(context)
+    _check_instruction(msg, config)
+    if config.secure_aggregation != "off":
+        raise RoundRefused(f"secure-aggregation={config.secure_aggregation!r}: this client contributes through "
+                           "SecAgg+ only, never in the clear")
+    promise = client_promise(context, config)
     partition_id = int(context.node_config["partition-id"])
     server_round = server_round_of(msg)
+    dimension = _dimension(msg)
+    promise.admit(server_round, dimension)
     if config.client_dp == "dpsgd":  # the reply carries Δ and ε only: no record counts, no raw-record statistics
         model, train_data, _, global_state = _load(msg, config, partition_id)
         privacy = _train_with_dpsgd(model, train_data, config, msg, context, partition_id, server_round)
         update = {k: (v.detach() - global_state[k]) for k, v in model.state_dict().items()}
-        return Message(RecordDict({
+        reply = Message(RecordDict({
             protocol.UPDATE: ArrayRecord(to_cpu(update)),
             protocol.METRICS: metric_record(protocol.dpsgd_metrics(partition_id, privacy.epsilon)),
         }), reply_to=msg)
-    with_term = aggregator_of(config).takes_terms and config.privacy_mechanism.wants_term
-    work = _local_work(msg, config, partition_id, server_round, with_term=with_term)
-    return TRAIN_REPLIES[config.aggregator](msg, work, config)
+    else:
+        with_term = aggregator_of(config).takes_terms and config.privacy_mechanism.wants_term
+        work = _local_work(msg, config, partition_id, server_round, with_term=with_term)
+        reply = TRAIN_REPLIES[config.aggregator](msg, work, config)
+    promise.commit(server_round, dimension)
+    return reply
+
+
+def _check_instruction(msg: Message, config: RunConfig) -> None:
+    """Refuse a train message that is not the instruction of the config's aggregator: fedhog's replies are updates,
+    which a stock Flower strategy (FedAvg, expecting weights) would average as a model."""
+    config_record = msg.content.config_records.get("config")
+    keys = INSTRUCTION_KEYS[config.aggregator]
+    missing = [key for key in keys if config_record is None or key not in config_record]
+    if missing or "arrays" not in msg.content.array_records:
+        what = ", ".join(f"'{key}'" for key in missing) if missing else "the model under 'arrays'"
+        raise RoundRefused(f"the train message lacks {what}: it is not from the ServerApp of aggregator="
+                           f"{config.aggregator!r} (a stock Flower strategy such as FedAvg?); fedhog's ClientApp "
+                           "replies with updates, not weights (docs/manual/your-model-and-data.md)")
+
+
+def _dimension(msg: Message) -> int:
+    """d, the global model's number of values."""
+    return sum(int(np.prod(a.shape)) for a in global_model_of(msg).values())
+
+
+def client_promise(context: Context, config: RunConfig) -> ClientPromise:
+    """This node's ledger and floors for ``config``'s run (:mod:`fedhog.secure_aggregation.promise`).
+
+    Raises
+    ------
+    NodeConfigError
+        If the node config's floors are invalid.
+    LedgerUntrusted
+        If the ledger cannot be read.
+    """
+    floors = NodeFloors.from_node_config(context.node_config)
+    path = ledger_path(state_dir(context.node_config), int(context.node_config["partition-id"]))
+    return ClientPromise(ReleaseLedger.load(path), floors, context.run_id, lambda d: run_terms(config, d))
+
+
+def run_terms(config: RunConfig, dimension: int | None) -> RunTerms:
+    """What ``config``'s run asks of this client and what one contribution releases, as the client accounts it.
+
+    Trusted server: the noise the run says the server adds (σ, calibrated if the run targets an ε), composed
+    without amplification by sampling. Distributed noise: the client's own plan (σ_l, m shares), which needs the
+    model's dimension (None: not known yet, at a SecAgg+ setup).
+    """
+    terms = RunTerms(config.rounds, config.secure_aggregation != "off", config.secagg_threshold,
+                     seeded=config.privacy_seed >= 0)
+    if config.noise == "distributed":
+        if dimension is None:
+            return terms
+        plan = config.distributed_noise(dimension)
+        accounting = plan.accounting
+        return replace(terms, noise_multiplier=plan.noise_multiplier,
+                       release=Release("ddg", local_std=plan.local_std, shares=accounting.shares, l2=accounting.l2,
+                                       dimension=accounting.dimension))
+    calibrated = _calibrated(config)
+    sigma = calibrated.noise_multiplier if calibrated.privacy_mechanism.has_guarantee else 0.0
+    release = (Release("gaussian", noise_multiplier=accountant_noise_multiplier(sigma, config.sampling))
+               if sigma > 0 else Release("none"))
+    return replace(terms, noise_multiplier=sigma, release=release)
+
+
+@lru_cache(maxsize=8)
+def _calibrated(config: RunConfig) -> RunConfig:
+    return config.calibrated()
 
 
 def _fedhog_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:
@@ -97,6 +193,10 @@ def _flower_dp_reply(msg: Message, work: LocalWork, config: RunConfig) -> Messag
     return flower_dp_reply(msg, work.global_state, work.update, config.server_learning_rate,
                            float(work.metrics[protocol.TRAIN_LOSS]))
 
+
+#: Each ``aggregator`` -> the keys its ServerApp's train instruction config carries (Flower's FedAvg: the round only).
+INSTRUCTION_KEYS: dict[str, tuple[str, ...]] = {"fedhog": (protocol.SERVER_ROUND, protocol.JOB_ID),
+                                                "flower-dp": (protocol.SERVER_ROUND,)}
 
 #: Each ``aggregator`` (:data:`fedhog.aggregators.AGGREGATOR_REGISTRY`) -> the ClientApp's reply to a train
 #: message, from the client's local work (the vectorized engine's batched replies too).
@@ -133,6 +233,9 @@ def _local_work(msg: Message, config: RunConfig, partition_id: int, server_round
             term, finite, seconds = third_order_term(model, train_data, update, config, seed)
         metrics.update(protocol.third_order_metrics(seconds, finite, peak.as_metrics()))
         term = term if finite else None
+        if term is not None and config.hog_mixing == "noise-aware":  # λ_i ĝ_i (fedhog.privacy.noise_aware)
+            scale = local_step_scale(config.learning_rate, local.steps, config.momentum)
+            term = {k: v * scale for k, v in term.items()}
     return LocalWork(global_state, update, term, metrics)
 
 
@@ -218,9 +321,13 @@ def third_order_term(
     the unit local update (``update``; random when the update is zero). With
     ``hog-term = random`` (the control experiment) t is instead an isotropic
     random direction: the same mixing, without the third-order structure.
-    Returns the term, whether it is finite, and the seconds it took.
+    Returns the term, whether it is finite, and the seconds it took. With ``hog-mixing = noise-aware`` the
+    term is :func:`noise_aware_estimate` instead (unscaled: the caller multiplies it by λ_i).
     """
     started = time.perf_counter()
+    if config.hog_mixing == "noise-aware":
+        estimate, finite = noise_aware_estimate(model, data, config, seed)
+        return estimate, finite, time.perf_counter() - started
     params = dict(model.named_parameters())
     if config.hog_term == "random":
         term = random_direction({k: p.detach() for k, p in params.items()}, control_term_seed(seed))
@@ -237,3 +344,30 @@ def third_order_term(
     targets = torch.as_tensor(data.y[rows], device=device)
     result = third_order_vector(model, inputs, targets, direction, loss="cross_entropy")
     return result.vector, result.finite, time.perf_counter() - started
+
+
+def noise_aware_estimate(model: torch.nn.Module, data: ArrayData, config: RunConfig,
+                         seed: int) -> tuple[dict[str, torch.Tensor], bool]:
+    """ĝ ≈ ∇_θ tr ∇²L(θ) on the client's term examples (:func:`~fedhog.training.hog_rows`), and whether it is finite.
+
+    Hutchinson over ``noise-aware-samples`` Rademacher directions drawn from ``seed``
+    (:func:`~fedhog.derivatives.hessian_trace_gradient`). With ``hog-term = random`` (the control) an isotropic
+    random direction of ĝ's norm: the same scale, without the curvature's structure.
+    """
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    if len(data) == 0:
+        return {k: torch.zeros_like(p) for k, p in params.items()}, True
+    rows = hog_rows(len(data), config.hog_batch_size, seed)
+    device = next(model.parameters()).device
+    stacked = hutchinson_directions(params, config.noise_aware_samples, "rademacher",
+                                    torch.Generator().manual_seed(seed))
+    directions = [{k: d[j] for k, d in stacked.items()} for j in range(config.noise_aware_samples)]
+    result = hessian_trace_gradient(model, torch.as_tensor(data.x[rows], device=device),
+                                    torch.as_tensor(data.y[rows], device=device), directions=directions,
+                                    loss="cross_entropy")
+    assert result.vector is not None
+    if config.hog_term != "random" or not result.finite:
+        return result.vector, result.finite
+    norm = torch.linalg.vector_norm(torch.cat([v.double().reshape(-1) for v in result.vector.values()]))
+    control = random_direction(params, control_term_seed(seed))
+    return {k: (v.double() * norm).to(v.dtype) for k, v in control.items()}, True

@@ -56,7 +56,7 @@ def test_choices_are_what_the_implementations_offer() -> None:
     from opacus.accountants import create_accountant
 
     from fedhog import aggregators, models
-    from fedhog.client_app import TRAIN_REPLIES
+    from fedhog.client_app import INSTRUCTION_KEYS, TRAIN_REPLIES
     from fedhog.privacy import accounting, mechanism, sampling
     from fedhog.server_app import SERVERS
 
@@ -68,7 +68,8 @@ def test_choices_are_what_the_implementations_offer() -> None:
     assert typing.get_args(sampling.SamplingKind) == choices.SAMPLING_METHODS
     assert tuple(accounting.ACCOUNTANT_REGISTRY) == choices.ACCOUNTANTS
     assert tuple(aggregators.AGGREGATOR_REGISTRY) == choices.AGGREGATORS
-    assert tuple(SERVERS) == tuple(TRAIN_REPLIES) == choices.AGGREGATORS  # what each aggregator runs, in the apps
+    # what each aggregator runs, in the apps
+    assert tuple(SERVERS) == tuple(TRAIN_REPLIES) == tuple(INSTRUCTION_KEYS) == choices.AGGREGATORS
     for name in choices.DPSGD_ACCOUNTANTS:  # Opacus builds each DP-SGD accountant by this name
         assert create_accountant(name).mechanism() == name
 

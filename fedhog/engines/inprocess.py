@@ -13,6 +13,7 @@ under Flower's engines.
 from __future__ import annotations
 
 import random
+import secrets
 import traceback
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -35,8 +36,9 @@ class NodeContexts(MutableMapping[int, Context]):
     sent a message, not a million (the vectorized engine trains without them).
     """
 
-    def __init__(self, partition_of_node: Mapping[int, int], run_config: Mapping) -> None:
+    def __init__(self, partition_of_node: Mapping[int, int], run_config: Mapping, run_id: int = 1) -> None:
         self._partition_of_node = partition_of_node
+        self.run_id = run_id
         self._run_config = dict(run_config)
         self._made: dict[int, Context] = {}
 
@@ -45,7 +47,7 @@ class NodeContexts(MutableMapping[int, Context]):
         if context is None:
             partition = self._partition_of_node[node_id]  # KeyError for a node that does not exist
             context = self._made[node_id] = Context(
-                run_id=1, node_id=node_id, node_config={"partition-id": partition,
+                run_id=self.run_id, node_id=node_id, node_config={"partition-id": partition,
                                                         "num-partitions": len(self._partition_of_node)},
                 state=RecordDict(), run_config=dict(self._run_config))
         return context
@@ -87,8 +89,10 @@ class InProcessGrid(Grid):
         self.client_app = client_app
         node_ids = random.Random(node_id_seed).sample(range(1, 2**63), num_nodes)
         self.partition_of_node = {node_id: i for i, node_id in enumerate(node_ids)}
-        self.contexts = NodeContexts(self.partition_of_node, run_config)
-        self._run = Run.create_empty(1)
+        # a fresh run id, as a SuperLink gives each run: the clients' release ledgers serve each run's rounds once
+        run_id = secrets.randbelow(2**63 - 1) + 1
+        self.contexts = NodeContexts(self.partition_of_node, run_config, run_id)
+        self._run = Run.create_empty(run_id)
         self._replies: dict[str, Message] = {}
         # Messages take their run and sender from the task identity, as in a ServerApp process.
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, self._run.run_id, SUPERLINK_NODE_ID

@@ -26,7 +26,9 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 from .. import protocol
 from ..compat import secaggplus_setup, secaggplus_share_keys, secaggplus_unmask
 from .graph import share_count, threshold_count
+from .ledger import RoundRefused
 from .masking import mask
+from .promise import ClientPromise
 
 #: ``contribute(modulus_bits)``: this client's quantised (and, with distributed noise, noised) contribution
 #: as residues mod 2^bits (uint64).
@@ -36,10 +38,6 @@ Contribute = Callable[[int], np.ndarray]
 def is_secaggplus(msg: Message) -> bool:
     """Whether a train message is a stage of SecAgg+."""
     return RECORD_KEY_CONFIGS in msg.content.config_records
-
-
-class RoundRefused(ValueError):
-    """The server asked for a secure round weaker than this client's own config allows."""
 
 
 @dataclass(frozen=True)
@@ -92,34 +90,61 @@ class ClientGuard:
                                f"share was calibrated for sums of ≥ {self.min_survivors}")
 
 
-def handle_stage(msg: Message, context: Context, contribute: Contribute, guard: ClientGuard) -> Message:
+def handle_stage(msg: Message, context: Context, contribute: Contribute, guard: ClientGuard,
+                 promise: ClientPromise | None = None) -> Message:
     """Run the stage ``msg`` asks for; reply with its config record (and the masked vector when collecting).
 
-    ``guard`` checks the setup and the unmask request against the client's own config first.
+    ``guard`` checks the setup and the unmask request against the client's own config first; ``promise`` (its
+    ledger and floors) admits the setup's round, records the contribution before the masked vector leaves, and
+    answers one unmask request a round.
     """
     if RECORD_KEY_STATE not in context.state.config_records:
         context.state.config_records[RECORD_KEY_STATE] = ConfigRecord({})
     state = SecAggPlusState(**context.state.config_records[RECORD_KEY_STATE])
     configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    # a replayed unmask request is refused by the ledger first, by name (Flower's stage order would refuse it too)
+    unmasked = (promise.check_unmask(msg, context)
+                if promise is not None and configs.get(Key.STAGE) == Stage.UNMASK else None)
     check_stage(state.current_stage, configs)
     state.current_stage = cast(str, configs.pop(Key.STAGE))
     check_configs(state.current_stage, configs)
     content = RecordDict()
     if state.current_stage == Stage.SETUP:
         guard.check_setup(configs)
+        if promise is not None:
+            promise.open_session(msg, context)
         state.nid = msg.metadata.dst_node_id
         result = secaggplus_setup(state, configs)
     elif state.current_stage == Stage.SHARE_KEYS:
         result = secaggplus_share_keys(state, configs)
     elif state.current_stage == Stage.COLLECT_MASKED_VECTORS:
-        content[protocol.MASKED] = ArrayRecord({protocol.MASKED: Array(_masked_vector(state, configs, contribute))})
+        content[protocol.MASKED] = ArrayRecord({protocol.MASKED: Array(_collect(msg, context, state, configs,
+                                                                                contribute, promise))})
         result = {}
     else:
         guard.check_unmask(state, configs)
         result = secaggplus_unmask(state, configs)
+        if promise is not None and unmasked is not None:
+            promise.commit_unmask(unmasked)
     context.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
     content[RECORD_KEY_CONFIGS] = ConfigRecord(result, False)
     return Message(content, reply_to=msg)
+
+
+def _collect(msg: Message, context: Context, state: SecAggPlusState, configs: ConfigRecord, contribute: Contribute,
+             promise: ClientPromise | None) -> np.ndarray:
+    """The masked vector; with ``promise``, admitted for the session's round and recorded before it leaves."""
+    if promise is None:
+        return _masked_vector(state, configs, contribute)
+    server_round = promise.session_round(msg, context)
+    arrays = msg.content.array_records.get("arrays")
+    dimension = None if arrays is None else sum(int(np.prod(a.shape)) for a in arrays.values())
+    if dimension is None:
+        raise RoundRefused("the collect stage carries no model")
+    promise.admit(server_round, dimension)
+    vector = _masked_vector(state, configs, contribute)
+    promise.commit(server_round, dimension)
+    return vector
 
 
 def _masked_vector(state: SecAggPlusState, configs: ConfigRecord, contribute: Contribute) -> np.ndarray:

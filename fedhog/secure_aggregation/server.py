@@ -139,8 +139,10 @@ def secure_sum(grid: MessageExchange, nodes: list[int], train_content: RecordDic
     state = _Round(nodes=list(nodes), neighbours=_ring(nodes, k), threshold=threshold_count(k, settings.threshold),
                    lattice=settings.lattice)
 
+    instruction = _instruction(train_content)
+
     def setup() -> RecordDict:
-        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
+        return RecordDict({**instruction, RECORD_KEY_CONFIGS: ConfigRecord({
             Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: n, Key.SHARE_NUMBER: k, Key.THRESHOLD: state.threshold,
             Key.CLIPPING_RANGE: float(settings.clipping_norm), Key.TARGET_RANGE: state.lattice.max_level,
             Key.MOD_RANGE: state.lattice.modulus, Key.MAX_WEIGHT: 1.0})})
@@ -151,7 +153,7 @@ def secure_sum(grid: MessageExchange, nodes: list[int], train_content: RecordDic
     def share_keys(node: int) -> RecordDict:
         record = ConfigRecord({str(m): public_keys[m] for m in state.neighbours[node] if m in public_keys})
         record[Key.STAGE] = Stage.SHARE_KEYS
-        return RecordDict({RECORD_KEY_CONFIGS: record})
+        return RecordDict({**instruction, RECORD_KEY_CONFIGS: record})
 
     ciphertexts = _exchange(grid, state, {node: share_keys(node) for node in public_keys}, timeout, group_id,
                             read=lambda reply: _pairs(reply, Key.DESTINATION_LIST, int, Key.CIPHERTEXT_LIST))
@@ -186,7 +188,7 @@ def secure_sum(grid: MessageExchange, nodes: list[int], train_content: RecordDic
         total += vector  # wraps mod 2^64, a multiple of M
 
     def unmask(node: int) -> RecordDict:
-        return RecordDict({RECORD_KEY_CONFIGS: ConfigRecord({
+        return RecordDict({**instruction, RECORD_KEY_CONFIGS: ConfigRecord({
             Key.STAGE: Stage.UNMASK,
             Key.ACTIVE_NODE_ID_LIST: sorted(state.neighbours[node] & active),
             Key.DEAD_NODE_ID_LIST: sorted(state.neighbours[node] & dead)})})
@@ -230,6 +232,13 @@ def small_cohort_delta(sampling: str, sampling_rate: float, population: int, rou
     from scipy.stats import binom
 
     return min(1.0, rounds * float(binom.cdf(1, population - 1, sampling_rate)))
+
+
+def _instruction(train_content: RecordDict) -> dict[str, ConfigRecord]:
+    """The train instruction's config (its round), which every stage carries: each client's ledger admits a setup
+    for a round it has not served, and holds the later stages to that round."""
+    config = train_content.config_records.get("config")
+    return {} if config is None else {"config": config}
 
 
 def _ring(nodes: list[int], k: int) -> dict[int, set[int]]:
