@@ -10,6 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+#: The one wording of the fixed privacy-seed warning: the CLI's banner says it before the run, the strategy's
+#: start-up log for runs started otherwise (``flwr run``, :func:`fedhog.run`).
+PRIVACY_SEED_WARNING = ("privacy-seed is fixed: cohorts, ξ and noise are reproducible, so anyone who holds the "
+                        "config can remove the noise, and a seed is found from two released models by trying seeds "
+                        "in order (seed 7 in under a second). The ε printed is VOID against them; it only compares "
+                        "mechanisms. For experiments only; deployments use privacy-seed = -1.")
 NOISE_WALK_WARNING = 0.7  # ρ ≥ 0.7·‖W_T − W_0‖: about half the movement's energy or more is noise
 SATURATION_WARNING = 0.25  # a quarter of a layer's units saturated on the evaluation examples
 GROWTH_WARNING = 2.0  # weights grown to twice their initial norm

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from . import __version__, interrupts
 from .aggregators import aggregator_of
+from .alarms import PRIVACY_SEED_WARNING
 from .choices import EXPORT_FORMATS, ExportFormat
 from .config import ConfigError, RunConfig, load_config, parse_override, toml_value
 from .deploy import DeployError, deploy_local
@@ -379,8 +380,9 @@ def _run_watched(engine: Engine, config: RunConfig, client_cpus: int, directory:
     watcher = threading.Thread(target=watch_metrics, args=(directory, config.rounds, lambda: not stop.is_set()),
                                daemon=True, name="fedhog-progress")
     flower = flower_logger()
-    level = flower.level
+    level, said = flower.level, _AlreadySaid(PRIVACY_SEED_WARNING)
     flower.setLevel(logging.WARNING)
+    flower.addFilter(said)
     watcher.start()
     try:
         engine.run(config, client_cpus)
@@ -391,7 +393,19 @@ def _run_watched(engine: Engine, config: RunConfig, client_cpus: int, directory:
             stop.set()
             watcher.join()
             flower.setLevel(level)
+            flower.removeFilter(said)
     return None
+
+
+class _AlreadySaid(logging.Filter):
+    """Drops the log records that say what the CLI has printed already (its banner), so it is said once."""
+
+    def __init__(self, *texts: str) -> None:
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.texts
 
 
 def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "run") -> int:
@@ -494,10 +508,7 @@ def _print_privacy_banner(config: RunConfig) -> None:
         console.print(f"[bold red]WARNING: mechanism={config.mechanism!r}, noise-multiplier="
                       f"{config.noise_multiplier:g}: this run has NO differential-privacy guarantee (ε = ∞)[/]")
     if config.privacy_seed >= 0:
-        console.print("[bold red]WARNING: privacy-seed is fixed: cohorts, ξ and noise are reproducible, so anyone "
-                      "who holds the config can remove the noise, and a seed is found from two released models by "
-                      "trying seeds in order (seed 7 in under a second). The ε printed is VOID against them; it "
-                      "only compares mechanisms. For experiments only; deployments use privacy-seed = -1.[/]")
+        console.print(f"[bold red]WARNING: {escape(PRIVACY_SEED_WARNING)}[/]")
 
 
 if __name__ == "__main__":

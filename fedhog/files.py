@@ -1,4 +1,4 @@
-"""Small file helpers on the bottom floor: atomic writes, JSON without ∞/NaN, fedhog's cache folder.
+"""Small file helpers on the bottom floor: atomic writes, standard JSON (no bare ∞/NaN), fedhog's cache folder.
 
 Importing nothing of fedhog but :mod:`fedhog.interrupts`, these serve every
 floor above (results, checkpoints, monitoring, client state) without an
@@ -7,6 +7,7 @@ upward arrow.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -45,6 +46,26 @@ def json_safe(value: Any) -> Any:
         return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
         return [json_safe(v) for v in value]
+    return value
+
+
+def standard_json(value: Any, **options: Any) -> str:
+    """``value`` as standard JSON (RFC 8259 has no NaN or ∞, and Python's own ``NaN``/``Infinity`` tokens are
+    not JSON): through :func:`json_safe`, the one convention of ``metrics.json`` and ``rounds.jsonl``."""
+    return json.dumps(json_safe(value), allow_nan=False, **options)
+
+
+def restored_floats(value: Any) -> Any:
+    """:func:`json_safe`'s inverse, for records that hold no null of their own (a round's): null -> NaN,
+    "inf" / "-inf" -> ±∞."""
+    if value is None:
+        return math.nan
+    if value in ("inf", "-inf"):
+        return math.inf if value == "inf" else -math.inf
+    if isinstance(value, dict):
+        return {k: restored_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restored_floats(v) for v in value]
     return value
 
 

@@ -54,6 +54,9 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
     partitioning data, discovering clients: :data:`STAGE_LOGGER` in this process,
     ``stage`` in ``metrics.json`` from a ServerApp in another).
     """
+    if not console.is_terminal:  # a log file or a pipe: no live display to redraw
+        _print_rounds(directory, rounds, running)
+        return
     columns = (TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
                TextColumn("{task.fields[status]}"), TimeElapsedColumn())
     with _stages() as stage, Progress(*columns, console=console, transient=False) as progress:
@@ -66,6 +69,31 @@ def watch_metrics(directory: Path, rounds: int, running: Callable[[], bool]) -> 
                 progress.update(task, completed=last.get("round", 0), status=round_status(last))
             elif stage.text or (document or {}).get("stage"):  # this process's, or the ServerApp's (metrics.json)
                 progress.update(task, status=escape(stage.text or (document or {})["stage"]))
+            if not alive:
+                break
+            time.sleep(0.5)
+
+
+def _print_rounds(directory: Path, rounds: int, running: Callable[[], bool]) -> None:
+    """:func:`watch_metrics` for a console that is not a terminal: one plain line per start-up stage and per round
+    (a resumed run's kept rounds are not repeated)."""
+    printed: int | None = None
+    last_stage = ""
+    with _stages() as stage:
+        while True:
+            alive = running()
+            document = read_metrics_file(directory / "metrics.json") or {}
+            records = document.get("rounds") or []
+            if printed is None and records:  # the rounds a resumed run keeps were shown by the run that made them
+                printed = sum(1 for r in records if r.get("round", 0) <= (document.get("resumed_after_round") or 0))
+            now = stage.text or document.get("stage") or ""
+            if not records and now and now != last_stage:
+                console.print(escape(now), highlight=False)
+                last_stage = now
+            if printed is not None:
+                for record in records[printed:]:
+                    console.print(f"round {record.get('round')}/{rounds}  {round_status(record)}", highlight=False)
+                printed = max(printed, len(records))
             if not alive:
                 break
             time.sleep(0.5)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import NO_TARGET_EPSILON, ConfigError, RunConfig, load_config, read_toml, toml_value
-from .files import atomic_write, json_safe
+from .files import atomic_write, restored_floats, standard_json
 from .interrupts import deferred
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ def record_launch(directory: Path, launch: dict[str, Any], config: RunConfig | N
     document["launch"] = launch
     if config is not None:
         atomic_write(directory / "config.toml", config_to_toml(config).encode())
-    atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
+    atomic_write(directory / "metrics.json", standard_json(document, indent=2).encode())
 
 
 def mark_interrupted(directory: Path) -> None:
@@ -139,7 +139,7 @@ def mark_interrupted(directory: Path) -> None:
     document = read_run_document(directory)
     if document is not None and document.get("status") in ("starting", "running"):
         document["status"] = "interrupted"
-        atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
+        atomic_write(directory / "metrics.json", standard_json(document, indent=2).encode())
 
 
 def mark_failed(directory: Path, reason: str) -> None:
@@ -148,7 +148,7 @@ def mark_failed(directory: Path, reason: str) -> None:
     document = read_run_document(directory)
     if document is not None and document.get("status") in ("starting", "running"):
         document.update(status="failed", error=reason)
-        atomic_write(directory / "metrics.json", json.dumps(json_safe(document), indent=2).encode())
+        atomic_write(directory / "metrics.json", standard_json(document, indent=2).encode())
 
 
 def client_error_summary(reason: str, limit: int = 300) -> str:
@@ -271,14 +271,15 @@ class ResultsWriter:
         return path
 
     def _flush(self) -> None:
-        text = json.dumps(json_safe(self.document), indent=2)
+        text = standard_json(self.document, indent=2)
         atomic_write(self.metrics_path, text.encode())
         self._flushed_at = time.monotonic()
 
 
 def _log_line(row: dict[str, Any]) -> str:
-    """One round as a line of ``rounds.jsonl``: Python's JSON, whose NaN and Infinity read back as they were."""
-    return json.dumps(row, allow_nan=True, separators=(",", ":")) + "\n"
+    """One round as a line of ``rounds.jsonl``: standard JSON, NaN as null and ∞ as "inf" as in ``metrics.json``
+    (:func:`read_round_log` reads them back as the floats they were)."""
+    return standard_json(row, separators=(",", ":")) + "\n"
 
 
 def read_round_log(directory: Path, count: int) -> list[dict[str, Any]]:
@@ -297,4 +298,4 @@ def read_round_log(directory: Path, count: int) -> list[dict[str, Any]]:
     whole = [line for line in lines if line.endswith("\n")]
     if len(whole) < count:
         raise ValueError(f"{path} holds {len(whole)} whole rounds, {count} expected")
-    return [json.loads(line) for line in whole]
+    return [restored_floats(json.loads(line)) for line in whole]

@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from . import protocol
+from .alarms import PRIVACY_SEED_WARNING
 from .layout import flatten_record, unflatten_like
 from .privacy.accounting import Accountant
 from .privacy.adaptive_clipping import AdaptiveClipping
@@ -232,9 +233,7 @@ class SecureAggregator(Strategy):
             log(WARNING, "\t└──> NO DIFFERENTIAL PRIVACY: mechanism=%r with σ=%g releases unprotected "
                 "updates; ε = ∞", self.mechanism.name, self.mechanism.noise_multiplier)
         if self.randomness.seed_is_fixed:
-            log(WARNING, "privacy-seed is fixed: cohorts, ξ and noise are reproducible, so the ε printed is void "
-                "against anyone who holds the config or guesses the seed (small seeds are found by trying them in "
-                "order). Use it for experiments only")
+            log(WARNING, "%s", PRIVACY_SEED_WARNING)
 
     @property
     def slot_of_node(self) -> dict[int, int]:
@@ -304,7 +303,8 @@ class SecureAggregator(Strategy):
         chosen = sample_cohort(slots, self.sampling, self.sampling_rate, self._round_randomness.sampling)
         self._global = arrays
         self._cohort = {node_of_slot[slot]: slot for slot in chosen}
-        self.current = RoundRecord(round=server_round, clients_sampled=len(chosen))
+        # ε so far until the round releases: a round that releases nothing (an empty cohort) keeps the ledger's ε
+        self.current = RoundRecord(round=server_round, clients_sampled=len(chosen), epsilon=self.accountant.epsilon())
         self.client_metrics = []
         self.rejection_reasons = {}
         return dict(self._cohort)
