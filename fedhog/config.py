@@ -32,6 +32,7 @@ from .choices import (
     DPSGD_ACCOUNTANTS,
     DPSGD_NOISE,
     HOG_DIRECTIONS,
+    HOG_MIXINGS,
     HOG_TERMS,
     MAX_MODULUS_BITS,
     MECHANISMS,
@@ -57,6 +58,7 @@ from .choices import (
     DpSgdAccountant,
     DpSgdNoise,
     HogDirection,
+    HogMixing,
     HogTerm,
     LocalOptimizer,
     MechanismName,
@@ -145,6 +147,9 @@ class RunConfig:
     hog_direction: HogDirection = "random"
     hog_term: HogTerm = "third-order"
     hog_batch_size: int = 32
+    hog_mixing: HogMixing = "random-sign"
+    noise_aware_strength: float = 1.0  # κ of hog-mixing = "noise-aware" (fedhog.privacy.noise_aware)
+    noise_aware_samples: int = 1  # Hutchinson's directions a client's ∇tr∇²L estimate averages
     accountant: AccountantName = "pld"
     delta: float = 1e-5
     max_epsilon: float = math.inf
@@ -209,8 +214,15 @@ class RunConfig:
         """The ``mechanism`` (:data:`~fedhog.privacy.mechanism.MECHANISM_REGISTRY`) with C, σ, γ and central noise:
         what each contribution goes through. A run's rounds apply :meth:`mechanism_for`."""
         from .privacy.mechanism import build_mechanism  # torch
+        from .privacy.noise_aware import NoiseAwareMixing
 
-        return build_mechanism(self.mechanism, self.clipping_norm, self.noise_multiplier, self.mixing_strength)
+        noise_aware = None
+        if self.hog_mixing == "noise-aware":
+            momentum = self.server_momentum if self.server_optimizer == "momentum" else 0.0
+            noise_aware = NoiseAwareMixing(self.noise_aware_strength, self.server_learning_rate, momentum,
+                                           self.expected_cohort)
+        return build_mechanism(self.mechanism, self.clipping_norm, self.noise_multiplier, self.mixing_strength,
+                               noise_aware)
 
     def mechanism_for(self, dimension: int) -> Mechanism:
         """The mechanism of this run's rounds: :attr:`privacy_mechanism`, or with ``noise = "distributed"`` that
@@ -329,6 +341,7 @@ class RunConfig:
         _choice("sampling", self.sampling, SAMPLING_METHODS)
         _choice("hog-direction", self.hog_direction, HOG_DIRECTIONS)
         _choice("hog-term", self.hog_term, HOG_TERMS)
+        _choice("hog-mixing", self.hog_mixing, HOG_MIXINGS)
         _choice("accountant", self.accountant, ACCOUNTANTS)
         _choice("device", self.device, DEVICES)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -352,14 +365,14 @@ class RunConfig:
                               f"optimizer={self.optimizer!r}: they send or use derivatives of the raw records, "
                               "which the per-record ε does not cover")
         for key in ("num-samples", "population", "local-epochs", "batch-size", "rounds",
-                    "hog-batch-size", "classes-per-client", "shards"):
+                    "hog-batch-size", "noise-aware-samples", "classes-per-client", "shards"):
             _check(key, self._get(key), self._get(key) >= 1, "an integer ≥ 1")
         for key in ("dirichlet-alpha", "learning-rate", "server-learning-rate", "server-tau", "server-step-max",
                     "clipping-norm",
                     "round-timeout"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value > 0, "a finite number > 0")
-        for key in ("noise-multiplier", "mixing-strength", "momentum"):
+        for key in ("noise-multiplier", "mixing-strength", "noise-aware-strength", "momentum"):
             value = self._get(key)
             _check(key, value, math.isfinite(value) and value >= 0, "a finite number ≥ 0")
         _check("validation-fraction", self.validation_fraction, 0 <= self.validation_fraction < 1, "a number in [0, 1)")
@@ -375,6 +388,8 @@ class RunConfig:
                "is a whole number ≥ 1")
         if self.adaptive_clipping:
             self._validate_adaptive_clipping()
+        if self.hog_mixing == "noise-aware":
+            self._validate_noise_aware()
         _check("delta", self.delta, 0 < self.delta < 1, "a number in (0, 1)")
         _check("delta", self.delta, self.delta < 1 / self.population,
                f"δ < 1/population = {1 / self.population:g} (a larger δ allows leaking one client outright)")
@@ -444,6 +459,19 @@ class RunConfig:
                 f"target-epsilon={value:g} stands in the way of mechanism={self.mechanism!r}, which adds no noise, so "
                 f"no σ meets an ε target; unset it (--set target-epsilon={NO_TARGET_EPSILON:g}, or target-epsilon = "
                 f"{NO_TARGET_EPSILON:g} in the file) or choose mechanism {_either(CLIPPING_MECHANISMS)}")
+
+    def _validate_noise_aware(self) -> None:
+        """``hog-mixing = "noise-aware"``: τ and λ are derived for SGD or FedAvgM on the server, no server step,
+        local heavy-ball momentum < 1, and Hutchinson's random directions (:mod:`fedhog.privacy.noise_aware`)."""
+        key = 'with hog-mixing="noise-aware"'
+        _check("server-optimizer", self.server_optimizer, self.server_optimizer in ("sgd", "momentum"),
+               f"sgd or momentum {key} (τ, the noise the model carries, is derived for them; adam and yogi "
+               "rescale every coordinate by its history)")
+        _check("server-step", self.server_step, self.server_step == "none",
+               f"none {key} (a server step rescales the release, and with it τ)")
+        _check("momentum", self.momentum, self.momentum < 1, f"a number in [0, 1) {key} (λ sums its velocity)")
+        _check("hog-direction", self.hog_direction, self.hog_direction == "random",
+               f"random {key} (Hutchinson's directions must have E[v vᵀ] = I; the update's does not)")
 
     def _validate_aggregator(self) -> None:
         """The keys the aggregator fixes (Flower's accounted wrapper runs one mechanism, sampling and accountant)."""

@@ -78,6 +78,12 @@ MEANINGS: dict[str, str] = {
                        " one replaces the file's other, and fedhog prints a note saying which value it"
                        ' dropped'),
     'mixing-strength': 'γ',
+    'hog-mixing': ('random-sign (default: u = Δ + γξ(‖Δ‖/‖t‖)t, ξ ~ N(0, 1), DP-FedAvg in expectation) or '
+                   "noise-aware: u = Δ − λ·½κτ²·ĝ, ĝ the client's Hutchinson estimate of ∇tr∇²L, τ the noise "
+                   "the release leaves in the weights, λ its local step scale (see the mechanism specification)"),
+    'noise-aware-strength': 'κ of hog-mixing = noise-aware (1: descend exactly the smoothed loss ½τ²tr∇²L)',
+    'noise-aware-samples': ("Hutchinson's Rademacher directions in each client's ∇tr∇²L estimate "
+                            '(hog-mixing = noise-aware)'),
     'adaptive-clipping': 'track a quantile of the norms; clipping-norm is then the initial C',
     'target-quantile': 'adaptive clipping: γ_q, the quantile of the norms C tracks',
     'clipping-learning-rate': 'adaptive clipping: η_C, the step of C',

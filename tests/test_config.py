@@ -197,6 +197,8 @@ NON_DEFAULT = {
     "round-timeout": 45.0, "max-update-norm": 1e3, "shards": 3,
     "mechanism": "gaussian", "clipping-norm": 0.125, "noise-multiplier": 1.1, "mixing-strength": 0.0,
     "hog-direction": "update", "hog-term": "random", "hog-batch-size": 4, "accountant": "rdp", "delta": 1e-7,
+    "hog-mixing": "random-sign",  # noise-aware excludes hog-direction update and server-optimizer yogi
+    "noise-aware-strength": 0.25, "noise-aware-samples": 3,
     "max-epsilon": 3.5, "seed": 123, "privacy-seed": 42, "resume": True,
     "target-epsilon": -1.0,  # with noise-multiplier set, target-epsilon stays off
     "client-dp": "none",  # dpsgd excludes optimizer hog-step

@@ -16,7 +16,8 @@ wraps one of the last two when the clients add the noise (``noise =
 
 1. :meth:`Mechanism.constrain_sensitivity`, per contribution, in float64::
 
-       u_i = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian)
+       u_i = Δ_i + γ · ξ_i · (‖Δ_i‖ / ‖t_i‖) · t_i        (γ = 0 for gaussian; hog's random-sign mixing)
+       u_i = Δ_i − ½ κ τ² · t_i                           (hog's noise-aware mixing, :mod:`.noise_aware`)
        c_i = clip_C(u_i)                                  ‖c_i‖ ≤ C for any finite input
 
 2. :class:`~fedhog.privacy.lattice.NoiseLattice`: c_i is rounded onto the lattice g·ℤ^d (g a power of
@@ -72,6 +73,7 @@ import numpy as np
 import torch
 
 from .lattice import MAX_CONTRIBUTIONS, NoiseLattice
+from .noise_aware import NoiseAwareMixing
 from .randomness import RandomBits, lattice_gaussian, standard_normal
 
 if TYPE_CHECKING:
@@ -190,7 +192,7 @@ class RowStats:
 
     norms_before_clip: tuple[float, ...]  # ‖u_i‖ (inf if it exceeds float64; then it is clipped)
     clipped: tuple[bool, ...]  # ‖u_i‖ > C
-    mixing_ratios: tuple[float, ...]  # ‖u_i − Δ_i‖ / ‖Δ_i‖ = γ|ξ_i| (0: zero term or update; NaN: no mixing)
+    mixing_ratios: tuple[float, ...]  # ‖u_i − Δ_i‖ / ‖Δ_i‖: γ|ξ_i| or ½κτ²‖t_i‖/‖Δ_i‖ (0: no term; NaN: no mixing)
 
 
 class Mechanism(ABC):
@@ -423,40 +425,55 @@ class GaussianMechanism(Mechanism):
 
 @dataclass(frozen=True)
 class HogMechanism(GaussianMechanism):
-    """``hog``: mix each update with its client's third-order term, then DP-FedAvg (:class:`GaussianMechanism`)."""
+    """``hog``: mix each update with its client's third-order term, then DP-FedAvg (:class:`GaussianMechanism`).
+
+    Random-sign mixing (``noise_aware`` None, ``hog-mixing = "random-sign"``) adds γ·ξ_i·(‖Δ_i‖/‖t_i‖)·t_i with
+    the server's ξ_i ~ N(0, 1); noise-aware mixing (:mod:`.noise_aware`) subtracts ½κτ²·t_i, where each client's
+    t_i = λ_i ĝ_i is its scaled estimate of ∇ tr ∇²L and τ follows from this mechanism's σ and C.
+    """
 
     mixing_strength: float = 0.0  # γ
+    noise_aware: NoiseAwareMixing | None = None
     name: ClassVar[str] = "hog"
     wants_term: ClassVar[bool] = True
 
     def describe(self) -> str:
         """The mixing, then DP-FedAvg."""
-        return (f"hog: mix each update with its third-order term (γ={self.mixing_strength:g}), clip to "
-                f"C={self.clipping_norm:g}, the server adds discrete Gaussian noise σ={self.noise_multiplier:g} "
-                "to the lattice sum")
+        if self.noise_aware is not None:
+            tau = self.noise_aware.noise_std(self.noise_multiplier, self.clipping_norm)
+            mixing = (f"hog: subtract ½κτ² × each client's scaled ∇tr∇²L estimate (noise-aware, "
+                      f"κ={self.noise_aware.strength:g}, τ={tau:.3g})")
+        else:
+            mixing = f"hog: mix each update with its third-order term (random-sign, γ={self.mixing_strength:g})"
+        return (f"{mixing}, clip to C={self.clipping_norm:g}, the server adds discrete Gaussian noise "
+                f"σ={self.noise_multiplier:g} to the lattice sum")
 
     def xis(self, stream: RandomBits, population: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         """ξ ~ N(0, 1) for each slot of the population from ``stream``, so that a client's ξ does not depend on who
-        else replied; those of ``slots``."""
+        else replied; those of ``slots``. Noise-aware mixing has no ξ: zeros, nothing drawn."""
+        if self.noise_aware is not None:
+            return np.zeros(len(slots))
         return standard_normal(stream, population)[np.asarray(slots, dtype=np.int64)]
 
     def constrain_sensitivity(self, updates: torch.Tensor, terms: torch.Tensor | None,
                               xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
-        """Mix and clip: u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t, c = clip_C(u).
+        """Mix and clip: u = Δ + γ·ξ·(‖Δ‖/‖t‖)·t (random-sign) or u = Δ − ½κτ²·t (noise-aware), c = clip_C(u).
 
-        u = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when ‖u‖ ≤ C, else w
+        Random-sign: u = ‖Δ‖·w with w = Δ/‖Δ‖ + γξ·t/‖t‖, and c is u when ‖u‖ ≤ C, else w
         scaled to norm C: no intermediate exceeds ‖Δ‖ or |γξ|, so c is finite
         and ‖c‖ < C for every finite Δ and t (subnormal, huge or zero). The
         bound is applied a hair inside C (:data:`CLIP_GUARD`) so that rounding
         in the norm cannot take c past C. A zero term carries no direction
         (u = Δ); a contribution that needs no clipping and no mixing comes back
-        unchanged.
+        unchanged. Noise-aware: :meth:`_noise_aware_rows`.
         """
+        if terms is None:
+            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
+        if self.noise_aware is not None:
+            return self._noise_aware_rows(updates.to(torch.float64), terms.to(torch.float64), xis)
         updates = updates.to(torch.float64)
         bound = self.clipping_norm * CLIP_GUARD
         direction, update_norms = _unit_rows(updates)
-        if terms is None:
-            raise ValueError("mechanism 'hog' needs a third-order term in every contribution")
         term_direction, term_norms = _unit_rows(terms.to(torch.float64))
         coefficients = self.mixing_strength * xis.to(torch.float64)
         mixed = (term_norms > 0) & (update_norms > 0) & (coefficients != 0)
@@ -473,6 +490,36 @@ class HogMechanism(GaussianMechanism):
                          tuple(ratios.tolist()))
         return out, stats
 
+    def _noise_aware_rows(self, updates: torch.Tensor, terms: torch.Tensor,
+                          xis: torch.Tensor) -> tuple[torch.Tensor, RowStats]:
+        """u = Δ − ½κτ²·t in float64, clipped as :class:`GaussianMechanism` clips (κ = 0 or t = 0: its bits).
+
+        A row whose u overflows float64 (finite Δ and t, a huge product) is rebuilt from unit rows,
+        u/m = (‖Δ‖/m)·Δ/‖Δ‖ − (½κτ²‖t‖/m)·t/‖t‖ with m the larger of the two lengths, and clipped to C along it.
+        """
+        assert self.noise_aware is not None  # the caller's branch
+        coefficient = self.noise_aware.coefficient(self.noise_multiplier, self.clipping_norm)
+        term_norms = _row_norms(terms)
+        update_norms = _row_norms(updates)
+        mixed = updates - coefficient * terms
+        overflowed = ~torch.isfinite(mixed).all(dim=1)
+        if bool(overflowed.any()):
+            direction, lengths = _unit_rows(updates[overflowed])
+            term_direction, term_lengths = _unit_rows(terms[overflowed])
+            term_lengths = coefficient * term_lengths
+            largest = torch.maximum(lengths, term_lengths)
+            finite_largest = torch.where(torch.isfinite(largest), largest, torch.ones_like(largest))
+            part = torch.where(torch.isfinite(term_lengths), term_lengths / finite_largest, torch.ones_like(largest))
+            own = torch.where(torch.isfinite(term_lengths), lengths / finite_largest, torch.zeros_like(largest))
+            rebuilt = own[:, None] * direction - part[:, None] * term_direction
+            mixed[overflowed] = rebuilt * (1.0 / _row_norms(rebuilt))[:, None] * (2 * self.clipping_norm)
+        out, seen = GaussianMechanism.constrain_sensitivity(self, mixed, None, xis)
+        norms = torch.tensor(seen.norms_before_clip, dtype=torch.float64)
+        norms[overflowed] = math.inf
+        ratios = (coefficient * term_norms / update_norms).tolist()  # ‖u − Δ‖/‖Δ‖
+        ratios = [math.nan if u == 0 else r for r, u in zip(ratios, update_norms.tolist(), strict=True)]
+        return out, RowStats(tuple(norms.tolist()), tuple((norms > self.clipping_norm).tolist()), tuple(ratios))
+
 
 #: The config's ``mechanism`` names (:data:`fedhog.choices.MECHANISMS`) -> their classes.
 MECHANISM_REGISTRY: dict[str, type[NoPrivacy | GaussianMechanism]] = {
@@ -480,8 +527,9 @@ MECHANISM_REGISTRY: dict[str, type[NoPrivacy | GaussianMechanism]] = {
 
 
 def build_mechanism(name: str, clipping_norm: float, noise_multiplier: float = 0.0,
-                    mixing_strength: float = 0.0) -> Mechanism:
-    """The mechanism called ``name`` (a key of :data:`MECHANISM_REGISTRY`); γ is used by ``hog`` only.
+                    mixing_strength: float = 0.0, noise_aware: NoiseAwareMixing | None = None) -> Mechanism:
+    """The mechanism called ``name`` (a key of :data:`MECHANISM_REGISTRY`); γ and ``noise_aware`` (noise-aware
+    mixing instead of random-sign) are used by ``hog`` only.
 
     Raises
     ------
@@ -491,7 +539,7 @@ def build_mechanism(name: str, clipping_norm: float, noise_multiplier: float = 0
     if name not in MECHANISM_REGISTRY:
         raise ValueError(f"mechanism={name!r} must be one of {tuple(MECHANISM_REGISTRY)}")
     if MECHANISM_REGISTRY[name].wants_term:
-        return HogMechanism(clipping_norm, noise_multiplier, mixing_strength)
+        return HogMechanism(clipping_norm, noise_multiplier, mixing_strength, noise_aware)
     return MECHANISM_REGISTRY[name](clipping_norm, noise_multiplier)
 
 
