@@ -106,6 +106,33 @@ def test_a_cohorts_third_order_terms_are_each_clients(direction, term, normaliza
         torch.testing.assert_close(work.terms[k], flat, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("model, samples, term", [
+    ("mlp", 1, "third-order"), ("mlp", 3, "third-order"), ("mlp", 2, "random"),
+    pytest.param("cnn2d", 2, "third-order", marks=pytest.mark.slow)])
+def test_a_cohorts_noise_aware_terms_are_each_clients(model, samples, term):
+    """Noise-aware mixing: each client's λ_i ĝ_i, its Hutchinson estimate of ∇tr∇²L over its own Rademacher
+    directions (vmapped inside the vmap over clients) scaled by its local steps, as the ClientApp computes it."""
+    from fedhog.privacy.noise_aware import local_step_scale
+
+    config = _config(model=model, mechanism="hog", momentum=0.5,
+                     **{"hog-mixing": "noise-aware", "noise-aware-samples": samples, "hog-term": term,
+                        "hog-batch-size": 16})
+    trainer, start = _trainer(config), _global_state(config)
+    partitions, seeds = [1, 2, 8], [11, 12, 13]
+    work = trainer.train(start, partitions, seeds, config.local_epochs, config.batch_size, config.learning_rate,
+                         config.momentum, HogSettings("random", term, config.hog_batch_size, "noise-aware", samples))
+    assert work.terms is not None and all(work.term_finite)
+    for k, (partition, seed) in enumerate(zip(partitions, seeds, strict=True)):
+        alone = _model(config)
+        alone.load_state_dict(start)
+        estimate, finite, _ = third_order_term(alone, load_client_data(config.data_spec, partition)[0], {}, config,
+                                               seed)
+        scale = local_step_scale(config.learning_rate, work.steps[k], config.momentum)
+        flat = torch.cat([estimate[key].reshape(-1) for key in start]) * scale
+        assert finite and scale > 0
+        torch.testing.assert_close(work.terms[k], flat, rtol=1e-4, atol=1e-5 * float(flat.abs().max()))
+
+
 # --- whole runs: the vectorized and in-process engines agree ---------------------------------
 
 
@@ -125,6 +152,8 @@ CONFIGS = {
     "hog-random": {"mechanism": "hog"},
     "hog-update": {"mechanism": "hog", "hog-direction": "update"},
     "hog-control": {"mechanism": "hog", "hog-term": "random"},
+    "hog-noise-aware": {"mechanism": "hog", "hog-mixing": "noise-aware", "noise-aware-samples": 2,
+                        "server-optimizer": "momentum"},
     "adaptive-clipping": {"adaptive-clipping": True, "count-noise-std": 1.0},
     "cnn-hog-fixed": {"model": "cnn2d", "mechanism": "hog", "sampling": "fixed", "momentum": 0.0},
     "tanh-as-before": {"activation": "tanh"},  # the rows above run the default activation (gelu)

@@ -88,7 +88,8 @@ class CohortShard:
         x, y, indices = (population_training_data(self.spec) if self.holds_population
                          else clients_training_data(self.spec, []))
         self.trainer = CohortTrainer(model, x, y, indices, self.device)
-        self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size)
+        self.hog = (HogSettings(config.hog_direction, config.hog_term, config.hog_batch_size, config.hog_mixing,
+                                config.noise_aware_samples)
                     if config.privacy_mechanism.wants_term else None)
 
     def work(self, state: dict[str, torch.Tensor], partitions: list[int], seeds: list[int],
