@@ -31,15 +31,17 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
 from ..derivatives import Unsupported
+from ..derivatives.engine import random_directions as hutchinson_directions
 from ..derivatives.taylor import TaylorProgram, cross_entropy_series, program_for
 from ..layout import flatten, unflatten
+from ..privacy.noise_aware import local_step_scale
 from ..training import (
     control_term_seed,
     epoch_orders,
     minibatches,
     random_direction,
     random_directions,
-    unit_directions,
+    unit_direction,
 )
 
 TERM_CLIENTS_PER_PASS = 64
@@ -222,6 +224,9 @@ class CohortTrainer:
         if hog is not None:
             started = time.perf_counter()
             terms, finite = self._hog_terms(start, updates, first_orders, seeds, hog)
+            if hog.mixing == "noise-aware":  # each client's λ_i ĝ_i (fedhog.privacy.noise_aware)
+                scales = [local_step_scale(learning_rate, s, momentum) for s in client_steps]
+                terms = terms * torch.tensor(scales, dtype=terms.dtype, device=terms.device)[:, None]
             seconds = time.perf_counter() - started
         return CohortWork(updates.detach().cpu(), None if terms is None else terms.cpu(), finite, mean_losses,
                           client_steps, seconds)
@@ -251,40 +256,86 @@ class CohortTrainer:
     def _hog_terms(self, start: dict[str, torch.Tensor], updates: torch.Tensor, first_orders: list[np.ndarray],
                    seeds: list[int], hog: HogSettings) -> tuple[torch.Tensor, list[bool]]:
         """Each client's third-order term (or its random control), flat ``[K, P]``, on the first
-        ``hog.batch_size`` examples of its first epoch's order (:func:`~fedhog.training.hog_rows`)."""
+        ``hog.batch_size`` examples of its first epoch's order (:func:`~fedhog.training.hog_rows`).
+
+        Noise-aware mixing: each client's Hutchinson estimate of ∇tr∇²L over ``hog.samples`` Rademacher
+        directions from its seed (the ClientApp's :func:`~fedhog.client_app.noise_aware_estimate`), and its random
+        control an isotropic direction of the estimate's norm."""
         names = [name for name, _ in self.model.named_parameters()]
         like = {k: start[k] for k in names}
-        if hog.term == "random":
+        compute = self._third_order_terms
+        if hog.term == "random" and hog.mixing == "random-sign":
             controls = [flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys)
                         for seed in seeds]
             return torch.stack(controls), [True] * len(seeds)
-        if hog.direction == "random":
+        if hog.mixing == "noise-aware":
+            compute = self._trace_gradient_terms
+            drawn = [hutchinson_directions(like, hog.samples, "rademacher", torch.Generator().manual_seed(seed))
+                     for seed in seeds]
+            stacked_directions = {n: torch.stack([d[n] for d in drawn]) for n in names}  # [K, samples, ...]
+        elif hog.direction == "random":
             stacked_directions = random_directions(like, seeds)  # like is on self.device
         else:
-            own = [self.unflatten(updates[k]) for k in range(len(seeds))]
-            units = unit_directions([{n: update[n] for n in names} for update in own])  # one sync, not one a client
-            directions = [unit if unit is not None else random_direction(like, seed)
-                          for unit, seed in zip(units, seeds, strict=True)]
+            directions = []
+            for k, seed in enumerate(seeds):
+                update = self.unflatten(updates[k])
+                direction = unit_direction({n: update[n] for n in names})
+                directions.append(direction if direction is not None else random_direction(like, seed))
             stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [order[:hog.batch_size] for order in first_orders]
         flat: torch.Tensor | None = None
         for clients in self._term_passes([len(r) for r in rows]):
-            members = clients.tolist()  # positions as ints: the loops below read no tensor element
-            width = max(len(rows[k]) for k in members)
-            index = np.zeros((len(members), width), dtype=np.int64)
-            mask = np.zeros((len(members), width), dtype=np.float32)
-            for j, k in enumerate(members):
+            width = max(len(rows[k]) for k in clients)
+            index = np.zeros((len(clients), width), dtype=np.int64)
+            mask = np.zeros((len(clients), width), dtype=np.float32)
+            for j, k in enumerate(clients):
                 index[j, :len(rows[k])], mask[j, :len(rows[k])] = rows[k], 1.0
             index_t = torch.as_tensor(index, device=self.device)
-            on_device = clients.to(self.device)
-            terms = self._third_order_terms(like, {n: d[on_device] for n, d in stacked_directions.items()},
-                                            self.x[index_t], self.y[index_t], torch.as_tensor(mask, device=self.device))
-            block = torch.cat([terms[k].reshape(len(members), -1) for k in self.keys], dim=1).detach()
+            terms = compute(like, {n: d[clients] for n, d in stacked_directions.items()},
+                            self.x[index_t], self.y[index_t], torch.as_tensor(mask, device=self.device))
+            block = torch.cat([terms[k].reshape(len(clients), -1) for k in self.keys], dim=1).detach()
             if flat is None:
                 flat = block.new_empty(len(rows), block.shape[1])
-            flat[on_device] = block
+            flat[clients] = block
         assert flat is not None  # a cohort has clients
+        if hog.term == "random":  # noise-aware's control: the estimate's norm, an isotropic direction
+            norms = torch.linalg.vector_norm(flat.double(), dim=1)
+            isotropic = torch.stack([flatten({**like, **random_direction(like, control_term_seed(seed))}, self.keys)
+                                     for seed in seeds])
+            flat = (isotropic.double() * norms[:, None]).to(flat.dtype)
         return flat, torch.isfinite(flat).all(dim=1).tolist()
+
+    def _trace_gradient_terms(self, params: dict[str, torch.Tensor], directions: dict[str, torch.Tensor],
+                              x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each client's mean_j ∇_θ(v_kjᵀ∇²L_k v_kj) over its directions ``[K, samples, …]``, stacked ``[K, …]``.
+
+        One direction: :meth:`_third_order_terms`. More: the order-2 series vmapped over each client's directions
+        inside the vmap over clients (Taylor mode, one reverse pass through K views of θ), or nested ``torch.func``.
+        """
+        if next(iter(directions.values())).shape[1] == 1:
+            return self._third_order_terms(params, {n: d[:, 0] for n, d in directions.items()}, x, y, mask)
+        if self._program is not None:
+            try:
+                return self._taylor_trace_terms(self._program, params, directions, x, y, mask)
+            except Unsupported:
+                self._program = None
+        return vmap(lambda v, x, y, m: {n: t.mean(0) for n, t in vmap(
+            lambda u: self._third_order_term(params, u, x, y, m))(v).items()})(directions, x, y, mask)
+
+    def _taylor_trace_terms(self, program: TaylorProgram, params: dict[str, torch.Tensor],
+                            directions: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                            mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        cohort = mask.shape[0]
+        with torch.enable_grad():
+            views = {k: v.detach().unsqueeze(0).expand(cohort, *v.shape).requires_grad_() for k, v in params.items()}
+
+            def client_forms(p: dict[str, torch.Tensor], vs: dict[str, torch.Tensor], x: torch.Tensor,
+                             y: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+                return vmap(lambda v: cross_entropy_series(program(p, {}, v, x, 3), y, 3, m)[2])(vs).mean()
+
+            total = 2 * vmap(client_forms)(views, directions, x, y, mask).sum()
+            terms = torch.autograd.grad(total, list(views.values()), allow_unused=True)
+        return {k: torch.zeros_like(v) if t is None else t for (k, v), t in zip(views.items(), terms, strict=True)}
 
     @staticmethod
     def _term_passes(examples: list[int]) -> list[torch.Tensor]:
@@ -303,11 +354,14 @@ class CohortTrainer:
 
 @dataclass(frozen=True)
 class HogSettings:
-    """How clients compute their third-order terms (``hog-direction``, ``hog-term``, ``hog-batch-size``)."""
+    """How clients compute their third-order terms (``hog-direction``, ``hog-term``, ``hog-batch-size``,
+    ``hog-mixing``, ``noise-aware-samples``)."""
 
     direction: str
     term: str
     batch_size: int
+    mixing: str = "random-sign"
+    samples: int = 1
 
 
 def _taylor_program(model: nn.Module) -> TaylorProgram | None:
