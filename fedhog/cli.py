@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         from .sweep.runner import sweep_command  # matplotlib and the sweep machinery only for sweeps
 
-        return sweep_command(args.config, args.output, args.list_only, args.threads)
+        with interrupts.handled():  # SIGTERM stops a sweep's engines as Ctrl-C does
+            return sweep_command(args.config, args.output, args.list_only, args.threads)
     if args.command == "export":
         return export_command(args.results, args.fmt, args.out)
     if args.command == "audit":

@@ -34,11 +34,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import IO
 
 import psutil
 
+from . import interrupts
 from .app_bundle import write_app_bundle
 from .choices import is_factory
 from .config import ConfigError, RunConfig
@@ -328,7 +328,7 @@ class LocalFederation:
         SIGTERM first, SIGKILL after :data:`STOP_GRACE_SECONDS`. Returns the ids of
         processes that survived both (normally none).
         """
-        with _handling([signal.SIGINT, signal.SIGTERM], signal.SIG_IGN):  # a second Ctrl-C must not cut it short
+        with interrupts.rerouted(signal.SIG_IGN):  # a second Ctrl-C must not cut it short
             for process in reversed(self.processes.values()):  # flwr run, SuperNodes, then the SuperLink
                 _signal_group(process, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_SECONDS
@@ -368,24 +368,6 @@ def _listening(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.settimeout(0.5)
         return probe.connect_ex((HOST, port)) == 0
-
-
-@contextlib.contextmanager
-def _handling(signums: Sequence[int], handler) -> Iterator[None]:
-    """Handle ``signums`` with ``handler`` inside the block (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, handler) for signum in signums}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, signal.SIG_DFL if old is None else old)
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 class _StopRequest:
@@ -480,7 +462,6 @@ def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None 
     config = config.with_overrides({"results-dir": str(directory)})
     simulation = federation_config is not None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_handling([signal.SIGTERM], _exit_on_signal))  # clean up on SIGTERM as on Ctrl-C
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="fedhog-sim-" if simulation else "fedhog-deploy-", ignore_cleanup_errors=True)))
@@ -512,7 +493,7 @@ def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None 
             return run.poll() is None and not problem
 
         stop = _StopRequest()
-        with _handling([signal.SIGINT, signal.SIGTERM], stop.note):
+        with interrupts.rerouted(stop.note):  # the CLI's Ctrl-C and SIGTERM, raised once the display has closed
             watch_metrics(directory, config.rounds, lambda: running() and not stop.signum)
         stop.raise_if_requested()
         if problem:

@@ -11,14 +11,19 @@ the process with ``terminate called without an active exception``, exit 134.)
 :func:`deferred` marks a block that must not be cut in half (writing a round's
 metrics and its checkpoint): a signal that arrives inside it is raised when the
 block ends.
+
+Signal handlers belong to the process's owner: only :func:`handled` (the ``fedhog``
+command's ``main``) installs them, for the run, and restores the previous ones after;
+library code changes them only inside it (:func:`rerouted`).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -82,6 +87,30 @@ def deferred() -> Iterator[None]:
         if not _state.depth and _state.pending:
             signum, _state.pending = _state.pending, 0
             _raise(signum)
+
+
+def in_force() -> bool:
+    """Whether :func:`handled` is in force here: the main thread, with its handler on SIGINT and SIGTERM."""
+    return threading.current_thread() is threading.main_thread() and all(
+        signal.getsignal(signum) is _handler for signum in SIGNALS)
+
+
+@contextmanager
+def rerouted(handler: signal.Handlers | Callable[[int, Any], None]) -> Iterator[None]:
+    """While :func:`handled` is in force, SIGINT and SIGTERM go to ``handler`` inside the block (then back).
+
+    Outside it nothing changes: a library call (:func:`fedhog.deploy.deploy_local` from a test suite, a notebook,
+    another program) leaves its caller's handlers alone, so SIGTERM does there what the caller made it do.
+    """
+    if not in_force():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def ignore() -> None:

@@ -207,9 +207,10 @@ def test_one_round_over_tls(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_during_a_run_leaves_no_process(tmp_path, signum):
     config = _config(tmp_path, "interrupted", rounds=20)
-    script = ("import sys; from pathlib import Path; from fedhog.config import load_config; "
-              "from fedhog.deploy import deploy_local; "
-              "deploy_local(load_config(sys.argv[1]), nodes=2, workdir=Path(sys.argv[2]))")
+    # the process's owner handles its signals, as the CLI does
+    script = ("import sys; from pathlib import Path; from fedhog import interrupts; "
+              "from fedhog.config import load_config; from fedhog.deploy import deploy_local; "
+              "\nwith interrupts.handled(): deploy_local(load_config(sys.argv[1]), nodes=2, workdir=Path(sys.argv[2]))")
     (tmp_path / "run.toml").write_text(config_to_toml(config))
     driver = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run.toml"), str(tmp_path / "work")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
