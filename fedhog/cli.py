@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import threading
+import time
 from importlib.resources import as_file, files
 from pathlib import Path
 from typing import Any
@@ -185,6 +187,7 @@ def audit_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
+    started = time.perf_counter()  # the summary's wall time is the whole command's: start-up and data included
     args = build_parser().parse_args(argv)
     if args.command == "keys":
         return keys_command(args.word)
@@ -222,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             return _interrupted(Path(config.results_dir), config, code, args.command)
         if args.command == "deploy-local":
-            return deploy_command(config, launch["nodes"], launch["tls"], args.workdir)
-        return run_command(config, launch["engine"], launch["client_cpus"])
+            return deploy_command(config, launch["nodes"], launch["tls"], args.workdir, started=started)
+        return run_command(config, launch["engine"], launch["client_cpus"], started=started)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -349,8 +352,10 @@ def _error(kind: str, error: object) -> None:
     console.print(f"[bold red]{kind}:[/] {escape(str(error))}")
 
 
-def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
-    """Run ``config`` on ``engine`` (a name of :data:`ENGINES`) with a live progress display; print the summary."""
+def run_command(config: RunConfig, engine: str, client_cpus: int = 1, *, started: float | None = None) -> int:
+    """Run ``config`` on ``engine`` (a name of :data:`ENGINES`) with a live progress display; print the summary
+    (its wall time counted from ``started``, a ``time.perf_counter()``; default: now)."""
+    started = time.perf_counter() if started is None else started
     directory = Path(config.results_dir)
     chosen = engine_named(engine)
     error: object = None
@@ -364,7 +369,7 @@ def run_command(config: RunConfig, engine: str, client_cpus: int = 1) -> int:
                 chosen.run(config, client_cpus)
             except (DeployError, ConfigError) as problem:
                 error = problem
-        return _report(directory, error is not None, error)
+        return _report(directory, error is not None, error, started)
     except (KeyboardInterrupt, SystemExit) as stop:
         if (code := interrupts.interrupt_exit_code(stop)) is None:
             raise
@@ -435,8 +440,11 @@ def _interrupted(directory: Path, config: RunConfig, code: int, command: str = "
     return code
 
 
-def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Path | None = None) -> int:
-    """Run ``config`` on a local SuperLink with ``nodes`` SuperNodes (:func:`deploy_local`); print the summary."""
+def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Path | None = None, *,
+                   started: float | None = None) -> int:
+    """Run ``config`` on a local SuperLink with ``nodes`` SuperNodes (:func:`deploy_local`); print the summary
+    (its wall time counted from ``started``, as :func:`run_command`'s)."""
+    started = time.perf_counter() if started is None else started
     directory = Path(config.results_dir)
     _print_privacy_banner(config)
     console.print(f"results → [bold]{escape(str(directory))}[/]  (local deployment: {nodes} SuperNodes)")
@@ -447,8 +455,8 @@ def deploy_command(config: RunConfig, nodes: int, tls: bool = False, workdir: Pa
             _error("config error", error)
             return 2
         except DeployError as error:
-            return _report(directory, True, error)
-        return _report(directory, False, None)
+            return _report(directory, True, error, started)
+        return _report(directory, False, None, started)
     except (KeyboardInterrupt, SystemExit) as stop:
         if (code := interrupts.interrupt_exit_code(stop)) is None:
             raise
@@ -468,7 +476,7 @@ def export_command(results: Path, fmt: ExportFormat, out: Path | None = None) ->
     return 0
 
 
-def _report(directory: Path, failed: bool, error: object) -> int:
+def _report(directory: Path, failed: bool, error: object, started: float) -> int:
     if failed:  # what stopped it before the ServerApp could record it (or its process died) is recorded here
         mark_failed(directory, str(error or "the run did not finish"))
     document = read_metrics_file(directory / "metrics.json")
@@ -498,10 +506,31 @@ def _report(directory: Path, failed: bool, error: object) -> int:
         table.add_row("noise", f"σ = {privacy['noise_multiplier']:.4g}{calibrated}, {privacy['accountant']} accountant")
     if privacy.get("randomness"):
         table.add_row("randomness", escape(privacy["randomness"]))
-    table.add_row("wall time", f"{document['seconds']:.1f} s")
+    table.add_row("wall time", wall_time(time.perf_counter() - started, document))
+    table.add_row("machine", machine_load())
     table.add_row("results", escape(str(directory)))
     Console().print(table)
     return 0
+
+
+def wall_time(command_seconds: float, document: dict[str, Any]) -> str:
+    """The summary's wall time: the whole command's, then the ServerApp's part (calibration, data, the rounds) and,
+    after ``--resume``, which rounds this command ran (the earlier ones were timed by the commands that ran them)."""
+    text = f"{command_seconds:.1f} s for the whole command ({document['seconds']:.1f} s in the ServerApp"
+    resumed = document.get("resumed_after_round")
+    if resumed:
+        done = document.get("summary", {}).get("rounds_completed", resumed)
+        text += f"; resumed after round {resumed}: rounds {resumed + 1}–{done} only"
+    return text + ")"
+
+
+def machine_load() -> str:
+    """The load average over 1, 5 and 15 minutes against this machine's CPUs: what a timing was taken under."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:  # not every platform has one
+        return f"{os.cpu_count()} CPUs, load average not available"
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
 
 
 def _print_privacy_banner(config: RunConfig) -> None:
