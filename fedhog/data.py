@@ -431,6 +431,47 @@ def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
             "classes_per_client", spec.classes_per_client,
             f"at most the {num_classes} classes of dataset={spec.dataset!r}",
         )
+    key = json.dumps({"labels": hashlib.sha256(np.ascontiguousarray(labels, dtype=np.int64).tobytes()).hexdigest(),
+                      "population": spec.population, "partitioner": spec.partitioner, "seed": spec.seed,
+                      "dirichlet_alpha": float(spec.dirichlet_alpha), "classes_per_client": spec.classes_per_client})
+    path = cache_dir() / f"partition-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    cached = _cached_partition(path)
+    if cached is not None:
+        return cached
+    parts = _fill_empty(_partition_with_flwr_datasets(labels, spec))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        np.savez(tmp, rows=np.concatenate(parts), sizes=np.array([len(p) for p in parts]),
+                 version=np.array(_flwr_datasets_version() or ""))
+    os.replace(tmp.name, path)
+    return parts
+
+
+def _flwr_datasets_version() -> str | None:
+    """The installed flwr-datasets' version (None where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flwr-datasets")
+    except PackageNotFoundError:
+        return None
+
+
+def _cached_partition(path: Path) -> list[np.ndarray] | None:
+    """The parts :func:`_partition` cached at ``path``: None where there are none, or where another flwr-datasets
+    wrote them than the one installed (without flwr-datasets, as on a GPU machine with no network and no pyarrow,
+    the cached parts are the only ones there are: ``simulations/gpu/prepare.sh`` carries them)."""
+    if not path.exists():
+        return None
+    with np.load(path) as f:
+        installed = _flwr_datasets_version()
+        if installed is not None and str(f["version"]) != installed:
+            return None
+        return np.split(f["rows"], np.cumsum(f["sizes"])[:-1])
+
+
+def _partition_with_flwr_datasets(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
+    """flwr-datasets' partitioner of ``spec`` on ``labels``: each client's rows (some may be empty)."""
     from datasets import Dataset
 
     partitioner = _make_partitioner(spec)
@@ -449,7 +490,7 @@ def _partition(labels: np.ndarray, spec: DataSpec) -> list[np.ndarray]:
         raise _reject(
             "population", spec.population, f"a feasible partitioning ({err})"
         ) from err
-    return _fill_empty(parts)
+    return parts
 
 
 def _fill_empty(parts: list[np.ndarray]) -> list[np.ndarray]:

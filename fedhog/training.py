@@ -190,14 +190,27 @@ def random_unit_vector(numel: int, seed: int) -> torch.Tensor:
 
 def unit_direction(vector: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """``vector`` scaled to unit L2 norm, or None if it is zero or not finite."""
-    norm = torch.sqrt(sum(((v.double() ** 2).sum() for v in vector.values()), torch.zeros((), dtype=torch.float64)))
-    if not torch.isfinite(norm) or norm == 0:
-        return None
-    return _normalised(vector, vector)
+    return unit_directions([vector])[0]
+
+
+def unit_directions(vectors: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor] | None]:
+    """:func:`unit_direction` of each of ``vectors``, deciding which are zero or not finite in one device
+    synchronisation for all of them (not one each: a cohort's on a GPU)."""
+    if not vectors:
+        return []
+    norms = torch.stack([_norm(vector) for vector in vectors])
+    usable = (torch.isfinite(norms) & (norms != 0)).tolist()
+    return [_normalised(vector, vector) if ok else None for vector, ok in zip(vectors, usable, strict=True)]
+
+
+def _norm(vector: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of ``vector``'s entries, in float64, on their device."""
+    start = torch.zeros((), dtype=torch.float64, device=next(iter(vector.values())).device if vector else None)
+    return torch.sqrt(sum(((v.double() ** 2).sum() for v in vector.values()), start))
 
 
 def _normalised(raw: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    norm = torch.sqrt(sum(((v.double() ** 2).sum() for v in raw.values()), torch.zeros((), dtype=torch.float64)))
+    norm = _norm(raw)
     return {k: (raw[k].double() / norm).to(like[k].dtype).to(like[k].device) for k in like}
 
 

@@ -41,7 +41,7 @@ from ..training import (
     minibatches,
     random_direction,
     random_directions,
-    unit_direction,
+    unit_directions,
 )
 
 TERM_CLIENTS_PER_PASS = 64
@@ -276,27 +276,28 @@ class CohortTrainer:
         elif hog.direction == "random":
             stacked_directions = random_directions(like, seeds)  # like is on self.device
         else:
-            directions = []
-            for k, seed in enumerate(seeds):
-                update = self.unflatten(updates[k])
-                direction = unit_direction({n: update[n] for n in names})
-                directions.append(direction if direction is not None else random_direction(like, seed))
+            own = [self.unflatten(updates[k]) for k in range(len(seeds))]
+            units = unit_directions([{n: update[n] for n in names} for update in own])  # one sync, not one a client
+            directions = [unit if unit is not None else random_direction(like, seed)
+                          for unit, seed in zip(units, seeds, strict=True)]
             stacked_directions = {n: torch.stack([d[n] for d in directions]) for n in names}
         rows = [order[:hog.batch_size] for order in first_orders]
         flat: torch.Tensor | None = None
         for clients in self._term_passes([len(r) for r in rows]):
-            width = max(len(rows[k]) for k in clients)
-            index = np.zeros((len(clients), width), dtype=np.int64)
-            mask = np.zeros((len(clients), width), dtype=np.float32)
-            for j, k in enumerate(clients):
+            members = clients.tolist()  # positions as ints: the loops below read no tensor element
+            width = max(len(rows[k]) for k in members)
+            index = np.zeros((len(members), width), dtype=np.int64)
+            mask = np.zeros((len(members), width), dtype=np.float32)
+            for j, k in enumerate(members):
                 index[j, :len(rows[k])], mask[j, :len(rows[k])] = rows[k], 1.0
             index_t = torch.as_tensor(index, device=self.device)
-            terms = compute(like, {n: d[clients] for n, d in stacked_directions.items()},
+            on_device = clients.to(self.device)
+            terms = compute(like, {n: d[on_device] for n, d in stacked_directions.items()},
                             self.x[index_t], self.y[index_t], torch.as_tensor(mask, device=self.device))
-            block = torch.cat([terms[k].reshape(len(clients), -1) for k in self.keys], dim=1).detach()
+            block = torch.cat([terms[k].reshape(len(members), -1) for k in self.keys], dim=1).detach()
             if flat is None:
                 flat = block.new_empty(len(rows), block.shape[1])
-            flat[clients] = block
+            flat[on_device] = block
         assert flat is not None  # a cohort has clients
         if hog.term == "random":  # noise-aware's control: the estimate's norm, an isotropic direction
             norms = torch.linalg.vector_norm(flat.double(), dim=1)
