@@ -31,6 +31,7 @@ from .models import build_model
 from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
+from .privacy.sampler_slack import sampler_label
 from .protocol import JOB_ID, Rejection
 from .replies import metric_record, runner_for
 from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
@@ -416,9 +417,9 @@ def _sampler_record(strategy: SecureAggregator, numel: int, rounds: int) -> dict
     """How the noise is drawn, and what its sampler adds to (ε, δ) over the planned rounds (included in ε)."""
     strategy.cover_sampler(numel)
     slack = strategy.accountant.sampler_slack(rounds)
-    if slack is None:  # no guarantee, or the clients draw the noise
+    if slack is None:  # no guarantee
         return {}
-    return {"noise_sampler": "discrete Gaussian on the lattice (exact sampler)",
+    return {"noise_sampler": sampler_label(),
             "sampler_epsilon_slack": slack.epsilon, "sampler_delta_slack": slack.delta}
 
 

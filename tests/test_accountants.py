@@ -34,7 +34,8 @@ def test_each_registered_accountant_bounds_the_sampled_gaussian(name: str, expec
 
 
 def _distributed() -> DistributedGaussianAccountant:
-    return DistributedGaussianAccountant(DdgAccounting(l2=800.0, dimension=1000, shares=16), 200.0, 1e-5)
+    return DistributedGaussianAccountant(DdgAccounting(l2=800.0, dimension=1000, shares=16), 200.0, 1e-5,
+                                         values_per_release=16 * 1000)
 
 
 @pytest.mark.parametrize("make", [lambda: ClientLevelAccountant(1.0, "fixed", 0.1, 1000, 1e-5, accountant="rdp"),
@@ -63,7 +64,8 @@ def test_describe_says_what_the_start_up_log_said() -> None:
 
 
 def test_only_the_server_noise_accountant_counts_the_sampler() -> None:
-    """cover_sampler adds the lattice sampler's slack to a central accountant's ε, and nothing to the clients'."""
+    """cover_sampler adds the lattice sampler's slack to a central accountant's ε, and nothing to the clients' (whose
+    accountant counts their draws from its own plan)."""
     central = ClientLevelAccountant(1.0, "poisson", 0.1, 1000, 1e-5, accountant="rdp")
     covered = ClientLevelAccountant(1.0, "poisson", 0.1, 1000, 1e-5, accountant="rdp")
     covered.cover_sampler(2.0**10, 1000)  # a coarse lattice: a visible slack

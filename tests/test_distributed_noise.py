@@ -32,7 +32,8 @@ from fedhog.privacy.distributed_gaussian import (
     log_tau,
 )
 from fedhog.privacy.mechanism import GaussianMechanism
-from fedhog.privacy.randomness import SecureBits, SeededBits, discrete_gaussian
+from fedhog.privacy.randomness import SecureBits, SeededBits, discrete_gaussian, sampler_log_ratio_bound
+from fedhog.privacy.sampler_slack import sampler_label, sampler_slack
 from fedhog.secure_aggregation.distributed_noise import DistributedNoise, plan_distributed_noise
 from fedhog.secure_aggregation.quantization import WRAP_STDS, ModularLattice
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
@@ -127,6 +128,34 @@ def test_calibration_meets_the_target_within_one_percent_and_sigma_falls_as_epsi
         assert 0.99 * target <= accounting.epsilon(sigma, 50, 1e-5) <= target
         sigmas.append(sigma)
     assert sigmas[0] > sigmas[1] > sigmas[2]
+
+
+def test_the_ddg_epsilon_adds_the_clients_sampler_slack_as_the_central_path_does():
+    """Each client's share is N_ℤ only up to exp(±η) a value: ε gains 2κ, κ = T·(K·d)·η, and δ the tail mass, as the
+    central accountant's slack (sampler_slack) without its rounding terms (17/σ² + 3e^{−2π²σ²} a value, which
+    compare N_ℤ with the continuous Gaussian that the central accountant analyses)."""
+    plan = plan_distributed_noise(1.0, 650, 32, 10, 0.66, 5, 1e-5, 0.0, 0.5)
+    accountant = plan.accountant()
+    draws = plan.lattice.cohort * plan.dimension  # every share of a cohort of K = 10: d values each
+    for _ in range(3):
+        accountant.compose_round()
+    pure = plan.accounting.epsilon(plan.local_std, 3, plan.delta)
+    slack = accountant.sampler_slack(3)
+    assert slack.epsilon == 2 * 3 * draws * sampler_log_ratio_bound() > 0
+    assert accountant.epsilon() == pure + slack.epsilon > pure
+    sigma = plan.local_std  # the central path on the same draws, less what compares N_ℤ with N(0, σ²)
+    central = sampler_slack(plan.accountant_noise_multiplier, sigma, draws, 3, pure, plan.delta)
+    rounding = 2 * 3 * draws * (17 / sigma**2 + 3 * math.exp(-2 * math.pi**2 * sigma**2))
+    assert slack.epsilon == pytest.approx(central.epsilon - rounding, rel=1e-9)
+    assert slack.delta <= central.delta and slack.delta >= math.expm1(slack.epsilon / 2) * plan.delta
+    between = plan.accounting.epsilon(sigma, 4, plan.delta) + accountant.sampler_slack(4).epsilon / 2
+    assert accountant.would_exceed(between)  # the slack counts in the budget stop too
+
+
+def test_metrics_name_the_sampler_exact_up_to_a_factor():
+    assert sampler_label() == (f"discrete Gaussian on the lattice, exact up to a factor exp(±η) per value, "
+                               f"η = {sampler_log_ratio_bound():.2g}")
+    assert "exact sampler" not in sampler_label()
 
 
 # --- the lattice and the plan ---------------------------------------------------------------------------------
@@ -342,6 +371,6 @@ def test_the_ddg_accountants_noise_multiplier_is_the_plans_as_accounted():
     plan = config.secure_plan(650)[1]
     accountant = config.mechanism_for(650).accountant(config.sampling, config.sampling_rate, config.population,
                                                       config.delta, config.accountant)
-    assert accountant.method == "ddg-rdp" and accountant.sampler_slack(config.rounds) is None
+    assert accountant.method == "ddg-rdp" and accountant.sampler_slack(config.rounds).epsilon > 0  # the clients' draws
     assert accountant.noise_multiplier == plan.accountant_noise_multiplier  # the same float
     assert accountant.noise_multiplier == pytest.approx(plan.noise_multiplier / 2, rel=1e-15)

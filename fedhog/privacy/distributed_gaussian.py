@@ -41,6 +41,8 @@ import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 from scipy.special import logsumexp
 
+from .sampler_slack import SamplerSlack, discrete_sampler_slack
+
 ORDERS: tuple[int, ...] = tuple(range(2, 257))
 MIN_SHARES = 2
 _MAX_BISECTION_STEPS = 200
@@ -137,7 +139,9 @@ class DdgAccounting:
 
 
 class DistributedGaussianAccountant:
-    """ε(δ) of the releases of a distributed-noise run: T releases of one :class:`DdgAccounting` at σ_l.
+    """ε(δ) of the releases of a distributed-noise run: T releases of one :class:`DdgAccounting` at σ_l, plus what
+    the clients' sampler adds (:func:`~fedhog.privacy.sampler_slack.discrete_sampler_slack`: each share is N_ℤ up
+    to a factor exp(±η) per value; ``values_per_release`` is every draw that can enter one release, K·d).
 
     An :class:`~fedhog.privacy.accounting.Accountant`, as
     :class:`~fedhog.privacy.accounting.ClientLevelAccountant` is.
@@ -146,10 +150,11 @@ class DistributedGaussianAccountant:
     method = "ddg-rdp"
     has_guarantee = True
 
-    def __init__(self, accounting: DdgAccounting, local_std: float, delta: float) -> None:
+    def __init__(self, accounting: DdgAccounting, local_std: float, delta: float, values_per_release: int) -> None:
         self.accounting = accounting
         self.local_std = local_std
         self.delta = delta
+        self.values_per_release = values_per_release
         self.releases = 0
 
     def __repr__(self) -> str:
@@ -167,10 +172,18 @@ class DistributedGaussianAccountant:
         return math.sqrt(self.accounting.shares) * self.local_std / (self.accounting.l2 / 2) / 2
 
     def cover_sampler(self, std_steps: float, values_per_release: int) -> None:
-        """Nothing: the clients draw the noise (discrete Gaussians this accountant bounds), not the server's sampler."""
+        """Nothing: the clients draw the noise; their draws are counted from the plan (``values_per_release``)."""
 
-    def sampler_slack(self, releases: int) -> None:
-        """None: no sampler of the server's draws this noise."""
+    def sampler_slack(self, releases: int) -> SamplerSlack:
+        """What the clients' sampler adds to ε and δ after ``releases`` releases (δ's share at the ε they reach)."""
+        pure = self.accounting.epsilon(self.local_std, releases, self.delta)
+        return discrete_sampler_slack(self.values_per_release, releases, pure, self.delta)
+
+    def _epsilon_after(self, releases: int) -> float:
+        """ε at δ after ``releases`` releases, the sampler's slack included."""
+        if releases == 0:
+            return 0.0
+        return self.accounting.epsilon(self.local_std, releases, self.delta) + self.sampler_slack(releases).epsilon
 
     def plan(self, rounds: int) -> None:
         """Nothing to compute ahead: ε after n releases is n·RDP, in constant time."""
@@ -180,14 +193,14 @@ class DistributedGaussianAccountant:
         self.releases += 1
 
     def epsilon(self) -> float:
-        """ε spent so far at δ (0 before any release)."""
-        return self.accounting.epsilon(self.local_std, self.releases, self.delta)
+        """ε spent so far at δ, the sampler's slack included (0 before any release)."""
+        return self._epsilon_after(self.releases)
 
     def would_exceed(self, max_epsilon: float) -> bool:
         """Whether releasing one more round would push ε past ``max_epsilon``."""
         if math.isinf(max_epsilon):
             return False
-        return self.accounting.epsilon(self.local_std, self.releases + 1, self.delta) > max_epsilon
+        return self._epsilon_after(self.releases + 1) > max_epsilon
 
     def state_dict(self) -> dict[str, object]:
         """Serializable state (for checkpoints)."""

@@ -24,6 +24,7 @@ from ..privacy.distributed_gaussian import MIN_SHARES, DdgAccounting, Distribute
 from ..privacy.lattice import NoiseLattice
 from ..privacy.mechanism import AggregateStats, Contribution, Mechanism, RowStats
 from ..privacy.randomness import RandomBits, discrete_gaussian
+from ..privacy.sampler_slack import discrete_sampler_slack
 from .quantization import ModularLattice
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ class DistributedNoise:
 
     def accountant(self) -> DistributedGaussianAccountant:
         """A fresh accountant of this run's releases."""
-        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta)
+        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta,
+                                             self.lattice.cohort * self.dimension)
 
     def sample(self, bits: RandomBits) -> np.ndarray:
         """One client's noise share: d draws of N_ℤ(0, σ_l²) from its own stream (int64)."""
@@ -101,7 +103,7 @@ def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: i
     server and every client).
 
     m = ``max(2, ⌈threshold·K⌉)``. σ_l: calibrated so that ε after ``rounds``
-    releases at δ meets ``target_epsilon`` (when > 0), else
+    releases at δ, the clients' sampler's slack included, meets ``target_epsilon`` (when > 0), else
     ``noise_multiplier``·Δ₂/√m (the sum of m shares carries the std the central
     mode adds). g: the finest power of two whose range holds the cohort and its
     noise (:meth:`ModularLattice.for_cohort`), each candidate g with its own σ_l.
@@ -112,13 +114,14 @@ def plan_distributed_noise(clipping_norm: float, dimension: int, modulus_bits: i
         If no g leaves 2 levels per contribution.
     """
     shares = max(MIN_SHARES, math.ceil(threshold * cohort))
+    slack = discrete_sampler_slack(cohort * dimension, rounds, 0.0, delta).epsilon  # the clients' sampler's ε share
     stds: dict[float, float] = {}
 
     def local_std(granularity: float) -> float:
         if granularity not in stds:
             noise = DistributedNoise(ModularLattice(modulus_bits, granularity, cohort), clipping_norm, 1.0, shares,
                                      dimension, delta)
-            stds[granularity] = (noise.accounting.calibrate(target_epsilon, rounds, delta)
+            stds[granularity] = (noise.accounting.calibrate(target_epsilon - slack, rounds, delta)
                                  if target_epsilon > 0 else noise_multiplier * noise.l2_sensitivity / math.sqrt(shares))
         return stds[granularity]
 
