@@ -219,6 +219,26 @@ def test_the_lattice_noise_is_the_cpu_streams_bits_whatever_the_device(device: s
     assert torch.equal(released.cpu(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_lattice_sum_of_contributions_on_the_device_is_the_cpus(device: str) -> None:
+    """Contributions held on ``device`` (inside the clipping ball, so none is rescaled): the mechanism's exact int64
+    lattice sum is the CPU's, bit for bit, for DP-FedAvg and HOG (whose ξ meet the terms on the device)."""
+    from fedhog.privacy.mechanism import Contribution, HogMechanism
+
+    generator = torch.Generator().manual_seed(8)
+    rows = torch.randn(5, 300, generator=generator)
+    rows = rows / torch.linalg.vector_norm(rows, dim=1, keepdim=True) * 0.3  # well inside C = 1
+    terms = torch.randn(5, 300, generator=generator)
+    xis = [0.0] * 5  # ξ = 0: HOG mixes nothing in, and the rows stay exact
+    for mechanism in (GaussianMechanism(1.0, 1.1), HogMechanism(1.0, 1.1, mixing_strength=0.5)):
+        lattice = NoiseLattice.for_settings(mechanism, 300)
+        on_device = [Contribution(r.to(device), term=t.to(device)) for r, t in zip(rows, terms, strict=True)]
+        on_cpu = [Contribution(r, term=t) for r, t in zip(rows, terms, strict=True)]
+        total, _ = mechanism.sum_on_lattice(on_device, xis, lattice)
+        expected, _ = mechanism.sum_on_lattice(on_cpu, xis, lattice)
+        assert total.device.type == device and torch.equal(total.cpu(), expected)
+
+
 # --- a whole round: the same cohort, ε and noise on the device as on the CPU ------------------------------------------
 
 def _run_round(device: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list, list]:

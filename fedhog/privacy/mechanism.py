@@ -301,8 +301,9 @@ class Mechanism(ABC):
                        lattice: NoiseLattice) -> tuple[torch.Tensor, RowStats]:
         """Every contribution constrained (:meth:`constrain_sensitivity`, with its ξ), rounded onto ``lattice`` and
         summed, a few rows at a time: the exact int64 sum and what constraining saw of each, in order."""
-        total = torch.zeros(lattice.dimension, dtype=torch.int64)
-        every_xi = torch.tensor(np.asarray(xis, dtype=np.float64))
+        device = contributions[0].update.device if contributions else None  # the sum stays where they are
+        total = torch.zeros(lattice.dimension, dtype=torch.int64, device=device)
+        every_xi = torch.tensor(np.asarray(xis, dtype=np.float64), device=device)
         norms: list[float] = []
         clipped: list[bool] = []
         ratios: list[float] = []
@@ -420,6 +421,7 @@ class GaussianMechanism(Mechanism):
         if std == 0.0:
             return lattice_sum.to(torch.float64) * lattice.granularity, 0.0
         steps = torch.from_numpy(lattice_gaussian(bits, lattice.dimension, std / lattice.granularity))
+        steps = steps.to(lattice_sum.device)  # drawn on the CPU from the private stream, whatever the device
         return (lattice_sum + steps).to(torch.float64).mul_(lattice.granularity), std
 
 
