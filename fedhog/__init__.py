@@ -1,7 +1,9 @@
 """fedhog: federated learning with higher-order differential-privacy mixing.
 
 ``fedhog.run(config, **overrides)`` runs one training from Python (:func:`fedhog.api.run`);
-``fedhog.audit(config, **options)`` audits its mechanism (:func:`fedhog.auditing.runner.audit`).
+``fedhog.audit(config, **options)`` audits its mechanism (:func:`fedhog.auditing.runner.audit`);
+``fedhog.central_split(config)`` returns the exact train and test sets of its run, for a central baseline
+(:func:`fedhog.api.central_split`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ except PackageNotFoundError:  # imported from a checkout that was never installe
 if TYPE_CHECKING:
     from .api import RunResult
     from .auditing.runner import AuditResult
+    from .data import ArrayData
 
 
 def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = False, verbose: bool = False,
@@ -25,6 +28,14 @@ def run(config: Any = None, *, engine: str = "vectorized", overwrite: bool = Fal
     from .api import run as run_api  # torch and Flower load when a run starts, not on `import fedhog`
 
     return run_api(config, engine=engine, overwrite=overwrite, verbose=verbose, **overrides)
+
+
+def central_split(config: Any = None, **overrides: Any) -> tuple[ArrayData, ArrayData]:
+    """The train (every client's training examples, pooled) and test sets of a config's run, for a central
+    baseline (see :func:`fedhog.api.central_split`)."""
+    from .api import central_split as split
+
+    return split(config, **overrides)
 
 
 def audit(config: Any = None, **options: Any) -> AuditResult:

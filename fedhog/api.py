@@ -1,4 +1,5 @@
-"""fedhog from Python: ``fedhog.run(config, **overrides)``."""
+"""fedhog from Python: ``fedhog.run(config, **overrides)``, and ``fedhog.central_split(config)``, the exact data a
+run trains and is tested on, for a central (non-federated) baseline."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .config import ConfigError, RunConfig, load_config
 from .engines import DEFAULT_ENGINE, check_run, claim_run, engine_named, run_engine
 from .flower_log import flower_log_level
 from .results import mark_failed, mark_interrupted, read_run_document
+
+if TYPE_CHECKING:
+    from .data import ArrayData
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,37 @@ def run(config: str | Path | Mapping[str, Any] | RunConfig | None = None, *, eng
         raise RunFailed(f"the run did not finish: {document.get('error', 'no metrics.json')} "
                         f"(what was done is in {directory})", directory)
     return RunResult(directory, document)
+
+
+def central_split(config: str | Path | Mapping[str, Any] | RunConfig | None = None,
+                  **overrides: Any) -> tuple[ArrayData, ArrayData]:
+    """The train and test sets of a config's run, exactly as fedhog splits them, for a central baseline.
+
+    ``train`` pools every client's training examples, in partition order (each client's validation share, the
+    server's validation and proxy sets are left out, as they are from the clients' training); ``test`` is the set
+    every round is evaluated on (:func:`fedhog.data.load_test_set`), disjoint from ``train``. A model trained
+    centrally on ``train`` and tested on ``test`` is the ceiling a federated run of the same config compares with.
+
+    Parameters
+    ----------
+    config, **overrides
+        As for :func:`run` (``seed``, ``dataset``, ``population``, the partitioner... decide the split).
+
+    Returns
+    -------
+    (ArrayData, ArrayData)
+        ``(train, test)``, each with ``x`` (float32) and ``y`` (int64).
+    """
+    from .data import ArrayData, clients_training_data, load_test_set  # numpy and the datasets, not torch
+
+    if isinstance(config, RunConfig):
+        config = {k: v for k, v in config.to_mapping().items()
+                  if not (k == "noise-multiplier" and config.target_epsilon > 0)}
+    values = None if config is None or isinstance(config, (str, Path)) else _kebab(config)
+    spec = load_config(values if values is not None else config, _kebab(overrides)).data_spec
+    x, y, indices = clients_training_data(spec, list(range(spec.population)))
+    rows = np.concatenate(indices) if indices else np.zeros(0, np.int64)
+    return ArrayData(x[rows], y[rows]), load_test_set(spec)
 
 
 def _kebab(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -246,6 +246,24 @@ class SecureAggregator(Strategy):
         self._slots = sorted(mapping.values())  # computed once, not every round (100 000 clients: 25 ms)
         self._node_of_slot = {slot: node for node, slot in mapping.items()}
 
+    def small_federation_warning(self, dimension: int) -> str:
+        """A warning, with its numbers, when the noise on a round's average of K clipped updates is longer than that
+        average can be (C): its expected norm σ·C·√d / K for a model of d parameters. Empty otherwise (no guarantee,
+        or no population discovered yet)."""
+        population = len(self.slot_of_node)
+        if not self.accountant.has_guarantee or not population:
+            return ""
+        cohort = expected_cohort_size(population, self.sampling_rate)
+        sigma, clip = self.mechanism.noise_multiplier, self.mechanism.clipping_norm
+        noise = sigma * clip * math.sqrt(dimension) / cohort
+        if noise <= clip:
+            return ""
+        return (f"small federation: the noise on each round's average has norm σ·C·√d/K = {sigma:.3g}·{clip:g}·"
+                f"√{dimension}/{cohort} ≈ {noise:.3g}, {noise / clip:.3g}× the longest average of clipped updates "
+                f"(C = {clip:g}); each client's noise share σ·C/K is {sigma * clip / cohort:.3g} per coordinate with "
+                f"K = {cohort} expected of N = {population} clients. Expect accuracy well below training without DP: "
+                "client-level DP needs a larger population (K grows faster than σ)")
+
     def cover_sampler(self, numel: int) -> None:
         """Tell the accountant what each release draws from the lattice sampler (its slack enters ε and δ).
 
@@ -604,7 +622,10 @@ class SecureAggregator(Strategy):
         """
         log(INFO, "Starting SecureAggregator for rounds %d..%d", first_round, num_rounds)
         self.summary()
-        self.cover_sampler(sum(int(np.prod(a.shape)) for a in initial_arrays.values()))
+        dimension = sum(int(np.prod(a.shape)) for a in initial_arrays.values())
+        if warning := self.small_federation_warning(dimension):
+            log(WARNING, "%s", warning)
+        self.cover_sampler(dimension)
         self.accountant.plan(num_rounds)  # each round's ε, composed ahead in the background
         slack = self.accountant.sampler_slack(num_rounds)
         if slack is not None and slack.delta > MAX_TAIL_DELTA_SHARE * self.accountant.delta:
