@@ -130,6 +130,7 @@ class Rejection(StrEnum):
 
     CLIENT_ERROR = "client error"  # its ClientApp raised
     NOT_SAMPLED = "not sampled"  # the node was not in this round's cohort
+    WRONG_ROUND = "wrong round"  # a reply to another message than the round's instruction to the node (a stale one)
     DUPLICATE = "duplicate"  # a second reply from the same node
     MALFORMED = "malformed"  # a record missing, or a count that is not one
     WRONG_KEYS = "wrong keys"

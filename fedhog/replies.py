@@ -274,8 +274,11 @@ class MessageRunner:
 
     def train(self, request: TrainRequest) -> CohortReplies:
         """Send the train messages, wait for the replies (up to ``request.timeout``), read them."""
-        replies = self.grid.send_and_receive(train_messages(request), timeout=request.timeout)
-        return ReplyReader(request.arrays, request.cohort, request.wants_term).read(replies)
+        messages = train_messages(request)
+        replies = self.grid.send_and_receive(messages, timeout=request.timeout)
+        # every Grid stamps the ids on the messages it pushes: each reply must answer its node's instruction
+        instructions = {m.metadata.dst_node_id: m.metadata.message_id for m in messages}
+        return ReplyReader(request.arrays, request.cohort, request.wants_term, instructions).read(replies)
 
 
 def runner_for(grid: Grid) -> CohortRunner:
@@ -289,15 +292,19 @@ class ReplyReader:
 
     A reply must come from a sampled node, once, without error, with a
     MetricRecord and an update (with ``wants_term`` also a third-order term)
-    keyed, shaped and typed exactly like the global model. A reply in
-    Flower's convention (weights under ``arrays``, no ``update``; see
+    keyed, shaped and typed exactly like the global model; given
+    ``instructions`` (node id -> the id of the round's train message to it),
+    it must answer that message (a reply to another round's is refused). A
+    reply in Flower's convention (weights under ``arrays``, no ``update``; see
     :mod:`fedhog.protocol`) is read as the update weights − global model.
     """
 
-    def __init__(self, arrays: ArrayRecord, cohort: Mapping[int, int], wants_term: bool) -> None:
+    def __init__(self, arrays: ArrayRecord, cohort: Mapping[int, int], wants_term: bool,
+                 instructions: Mapping[int, str] | None = None) -> None:
         self.arrays = arrays
         self.cohort = cohort
         self.wants_term = wants_term
+        self.instructions = instructions
         self._global_flat: torch.Tensor | None = None
 
     def read(self, replies: Iterable[Message]) -> CohortReplies:
@@ -344,6 +351,9 @@ class ReplyReader:
             raise BadReply(Rejection.CLIENT_ERROR, reply.error.reason or f"error code {reply.error.code}")
         if node not in self.cohort:
             raise BadReply(Rejection.NOT_SAMPLED, "the node was not in this round's cohort")
+        if self.instructions is not None and reply.metadata.reply_to_message_id != self.instructions.get(node):
+            raise BadReply(Rejection.WRONG_ROUND, "the reply answers another message than this round's "
+                                                     "instruction to the node")
         if node in seen:
             raise BadReply(Rejection.DUPLICATE, "a second reply from the same node")
         seen.add(node)

@@ -12,7 +12,7 @@ from fedhog.protocol import BadReply, Rejection
 # every kind metrics.json has counted in a round's "rejections": results files stay comparable
 KINDS_IN_RESULTS_FILES = {"client error", "not sampled", "duplicate", "malformed", "wrong keys", "wrong shape",
                           "wrong dtype", "non-finite values", "too large", "non-finite third-order term",
-                          "weights refused", "dropped out"}
+                          "weights refused", "dropped out", "wrong round"}
 
 
 def test_the_kinds_are_the_strings_results_files_count():

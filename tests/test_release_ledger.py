@@ -25,6 +25,8 @@ from fedhog.config import RunConfig
 from fedhog.data import dataset_info
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.models import build_model
+from fedhog.protocol import Rejection
+from fedhog.replies import MessageRunner, TrainRequest
 from fedhog.secure_aggregation.ledger import LedgerUntrusted, Release, ReleaseLedger, RoundRefused, ledger_path
 from fedhog.secure_aggregation.server import SecAggSettings, SecureAggregationFailed, secure_sum
 
@@ -220,3 +222,32 @@ def test_a_secure_aggregation_client_refuses_a_train_message_in_the_clear(tmp_pa
                       message_type=MessageType.TRAIN)
     reply = next(iter(grid.send_and_receive([message])))
     assert "through SecAgg+ only, never in the clear" in _refusal(reply)
+
+
+# --- replies matched to the round's instruction ----------------------------------------------------------
+class StaleGrid(InProcessGrid):
+    """A Grid (or a relay in front of one) that hands round 1's replies back as round 2's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.first: list[Message] | None = None
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        if self.first is None:
+            self.first = replies
+        return self.first
+
+
+def test_a_reply_to_another_rounds_instruction_is_refused(tmp_path):
+    grid = _grid(tmp_path, kind=StaleGrid)
+    cohort = {node: slot for slot, node in enumerate(sorted(grid.contexts)[:2])}
+
+    def request(server_round: int) -> TrainRequest:
+        return TrainRequest(server_round, _model(CONFIG), _instruction(server_round), cohort, False, 10)
+
+    first = MessageRunner(grid).train(request(1))
+    assert len(first.results) == 2 and not first.refused
+    second = MessageRunner(grid).train(request(2))  # the clients answered round 2; round 1's replies came back
+    assert not second.results
+    assert [error.kind for _, error in second.refused] == [Rejection.WRONG_ROUND] * 2
