@@ -176,3 +176,38 @@ def test_secure_aggregation_refuses_a_reply_that_carries_weights():
     assert record.clients_accepted == 0 and record.failure.startswith("secure aggregation failed")
     refused = f"weights refused: {WEIGHTS_UNDER_SECURE_AGGREGATION}"
     assert ours["strategy"].rejection_reasons == {"weights refused": refused}
+
+
+def test_fedhogs_clientapp_refuses_flowers_fedavg_in_one_line_and_the_model_stays(tmp_path):
+    """Issue 35: FedAvg averaged fedhog's replies (updates) as weights, shrinking the model (norm 1.87 -> 0.47 in a
+    round). Now each client refuses a train message without fedhog's instruction keys, in one line, and FedAvg
+    skips aggregation: no model comes out of it."""
+    from test_secure_aggregation import DroppingGrid
+
+    from fedhog.client_app import app as fedhog_client_app
+    from fedhog.data import dataset_info
+    from fedhog.models import build_model
+
+    config = RunConfig.from_mapping({"dataset": "digits", "model": "logreg", "population": 2, "sampling-rate": 0.5,
+                                     "partitioner": "iid"})
+    torch.manual_seed(0)
+    initial = ArrayRecord(build_model(config.model, *dataset_info(config.data_spec)).state_dict())
+    grid = DroppingGrid(fedhog_client_app, 2, config.to_mapping())
+    for node in grid.contexts:
+        grid.contexts[node].node_config["state-dir"] = str(tmp_path / "state")
+    app = ServerApp()
+    out: dict = {}
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        result = FedAvg(fraction_train=1.0, fraction_evaluate=0.0).start(
+            grid=grid, initial_arrays=initial, train_config=ConfigRecord({"lr": 0.05}), num_rounds=1)
+        out["model"] = result.arrays.to_torch_state_dict()
+
+    app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    reasons = [reply.error.reason for reply in grid.replies]
+    assert len(reasons) == 2 and all(r is not None for r in reasons)
+    assert all(r.startswith("RoundRefused: the train message lacks 'job-id': it is not from the ServerApp of "
+                            "aggregator='fedhog' (a stock Flower strategy such as FedAvg?)") and "\n" not in r
+               for r in reasons)
+    assert out["model"] == {}  # FedAvg aggregated nothing (it had averaged the updates into the model)
