@@ -170,7 +170,7 @@ def run_terms(config: RunConfig, dimension: int | None) -> RunTerms:
         accounting = plan.accounting
         return replace(terms, noise_multiplier=plan.noise_multiplier,
                        release=Release("ddg", local_std=plan.local_std, shares=accounting.shares, l2=accounting.l2,
-                                       dimension=accounting.dimension))
+                                       dimension=accounting.dimension, draws=plan.draws_per_release))
     calibrated = _calibrated(config)
     sigma = calibrated.noise_multiplier if calibrated.privacy_mechanism.has_guarantee else 0.0
     release = (Release("gaussian", noise_multiplier=accountant_noise_multiplier(sigma, config.sampling))

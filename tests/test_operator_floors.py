@@ -20,10 +20,12 @@ from test_secure_aggregation import DroppingGrid
 
 from fedhog import protocol
 from fedhog.client_app import app as client_app
+from fedhog.client_state import state_dir
 from fedhog.config import RunConfig
 from fedhog.engines.inprocess import InProcessGrid
 from fedhog.privacy.distributed_gaussian import ORDERS
 from fedhog.secure_aggregation.floors import NodeConfigError, NodeFloors
+from fedhog.secure_aggregation.ledger import ReleaseLedger, ledger_path
 from fedhog.secure_aggregation.server import SecureAggregationFailed
 
 pytestmark = pytest.mark.usefixtures("shared_cache")
@@ -147,3 +149,20 @@ def test_distributed_noise_below_the_floor_is_refused_before_any_noise_leaves(tm
     assert all(f"the run asks for noise multiplier {plan.noise_multiplier:.4g}" in r for r in refusals)
     assert not any(protocol.MASKED in r.content.array_records for r in grid.replies if not r.has_error())
     _secure_round(_grid(tmp_path, {"min-noise-multiplier": 0.5 * plan.noise_multiplier}, SECURE), 1)
+
+
+def test_a_nodes_own_epsilon_for_distributed_noise_is_the_runs_ddg_accountants(tmp_path):
+    """The same releases, counted by the client (its ledger) and by the run's ddg-rdp accountant: the same ε, the
+    clients' sampler slack included in both."""
+    grid = _grid(tmp_path, {"max-epsilon": 1e6, "max-epsilon-delta": SECURE.delta}, SECURE, DroppingGrid)
+    _secure_round(grid, 1)
+    _secure_round(grid, 2)
+    plan = SECURE.distributed_noise(sum(int(a.numel()) for a in _model(SECURE).to_torch_state_dict().values()))
+    accountant = plan.accountant()
+    accountant.compose_round()
+    accountant.compose_round()
+    context = grid.contexts[sorted(grid.contexts)[0]]
+    ledger = ReleaseLedger.load(ledger_path(state_dir(context.node_config), context.node_config["partition-id"]))
+    assert [count for _, count in ledger.releases()] == [2]
+    assert ledger.epsilon(SECURE.delta) == pytest.approx(accountant.epsilon(), rel=1e-12)
+    assert accountant.sampler_slack(2).epsilon > 0

@@ -128,7 +128,7 @@ def test_the_ledger_holds_round_numbers_and_public_noise_parameters_only(grid):
     assert document["runs"] == {str(context.run_id): {"served": 2, "unmasked": 0}}
     # under Poisson sampling (add/remove) the accountant's σ is the config's; counted twice; nothing else
     assert document["releases"] == [{"mechanism": "gaussian", "noise_multiplier": 1.0, "local_std": 0.0,
-                                     "shares": 0, "l2": 0.0, "dimension": 0, "count": 2}]
+                                     "shares": 0, "l2": 0.0, "dimension": 0, "draws": 0, "count": 2}]
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # written atomically: no temporary left
 
 

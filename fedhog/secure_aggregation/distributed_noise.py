@@ -81,8 +81,12 @@ class DistributedNoise:
 
     def accountant(self) -> DistributedGaussianAccountant:
         """A fresh accountant of this run's releases."""
-        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta,
-                                             self.lattice.cohort * self.dimension)
+        return DistributedGaussianAccountant(self.accounting, self.local_std, self.delta, self.draws_per_release)
+
+    @property
+    def draws_per_release(self) -> int:
+        """K·d: the discrete Gaussian values that can enter one release (d from each client of the largest cohort)."""
+        return self.lattice.cohort * self.dimension
 
     def sample(self, bits: RandomBits) -> np.ndarray:
         """One client's noise share: d draws of N_ℤ(0, σ_l²) from its own stream (int64)."""

@@ -42,6 +42,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from ..files import atomic_write
 from ..privacy.distributed_gaussian import ORDERS, ddg_rdp
+from ..privacy.sampler_slack import discrete_sampler_slack
 
 LEDGER_DIR = "release-ledger"
 VERSION = 1
@@ -67,7 +68,8 @@ class Release:
     accountant's ``noise_multiplier``: its std over the sum's sensitivity),
     ``"ddg"`` (the distributed discrete Gaussian: the client's own share of std
     ``local_std`` lattice steps and m − 1 others', sensitivity ``l2`` steps in
-    ``dimension`` coordinates) or ``"none"`` (no noise: ε = ∞).
+    ``dimension`` coordinates, ``draws`` sampled values in the sum, whose
+    sampler's slack :func:`epsilon_of` adds) or ``"none"`` (no noise: ε = ∞).
     """
 
     mechanism: str
@@ -76,6 +78,7 @@ class Release:
     shares: int = 0
     l2: float = 0.0
     dimension: int = 0
+    draws: int = 0
 
     def rdp(self) -> np.ndarray:
         """ε(α) of one such release at :data:`~fedhog.privacy.distributed_gaussian.ORDERS` (∞ without noise)."""
@@ -88,18 +91,22 @@ class Release:
 
 
 def epsilon_of(releases: Iterable[tuple[Release, int]], delta: float) -> float:
-    """ε at δ of ``releases`` (each release with its count) composed (RDP; 0 for none, ∞ if any has no noise)."""
+    """ε at δ of ``releases`` (each release with its count) composed (RDP; 0 for none, ∞ if any has no noise), plus
+    the slack of the clients' sampler on the draws in them
+    (:func:`~fedhog.privacy.sampler_slack.discrete_sampler_slack`)."""
     total = np.zeros(len(ORDERS))
+    draws = 0
     any_release = False
     for release, count in releases:
         if count:
             any_release = True
             total = total + count * release.rdp()
+            draws += count * release.draws
     if not any_release:
         return 0.0
     if not np.isfinite(total).any():
         return math.inf
-    return float(compute_epsilon(ORDERS, total, delta)[0])
+    return float(compute_epsilon(ORDERS, total, delta)[0]) + discrete_sampler_slack(draws, 1, 0.0, delta).epsilon
 
 
 def ledger_path(directory: Path, partition_id: int) -> Path:
