@@ -6,7 +6,9 @@ and each formulation (Taylor mode, nested ``torch.func``, nested ``autograd``), 
 ``torch.autograd.grad`` forward+backward of the same batch; the ratio is the
 median of the per-pair time ratios, and with ``--repeat N`` the median of N such
 medians (taken in N passes over all rows, so slow drifts of the machine's load
-hit every formulation alike).  Peak memory of the gradient and of the
+hit every formulation alike).  ``hessian_trace_gradient`` is timed for k = 1, 4, 16 Rademacher directions in one
+batched call, against k single third-order vectors and against its matrix products alone
+(:func:`trace_product_floor`).  Peak memory of the gradient and of the
 third-order vector: on CPU the growth of the peak resident set size (Linux
 ``VmHWM``, reset through ``/proc/self/clear_refs``) during one call in a fresh
 subprocess; on CUDA ``torch.cuda.max_memory_allocated`` above the memory held
@@ -16,7 +18,7 @@ be shared).
 Usage::
 
     python simulations/bench_derivatives.py [--quick] [--full] [--json] [--threads 1] [--repeat 3] [--device cuda]
-        [--activation gelu]
+        [--activation gelu] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from fedhog.derivatives import (
     cross_entropy,
     directional_derivatives,
     gradient,
+    hessian_trace_gradient,
     hessian_vector_product,
     third_order_vector,
 )
+from fedhog.derivatives.engine import random_directions
 from fedhog.models import ACTIVATIONS
 
 BATCH = 128
@@ -91,6 +95,12 @@ def product_ratio(model: nn.Module, shape: tuple[int, ...]) -> float:
     ∇W), any other 11 against 3 (4 forward, 4 input adjoints and 3 for ∇W, Karatsuba's: :mod:`fedhog.derivatives.
     products`; against forward, input adjoint and ∇W). Where the products dominate both, the time ratio sits near
     it; the gradient's other work (activations, loss) can take the measured ratio a little under it."""
+    first, rest = _layer_macs(model, shape)
+    return (3 * first + 11 * rest) / (2 * first + 3 * rest)
+
+
+def _layer_macs(model: nn.Module, shape: tuple[int, ...]) -> tuple[int, int]:
+    """One example's multiply-adds in the layer that reads the data, and in all the others."""
     macs: list[int] = []
 
     def count(layer: nn.Module, inputs: object, output: torch.Tensor) -> None:
@@ -106,8 +116,7 @@ def product_ratio(model: nn.Module, shape: tuple[int, ...]) -> float:
     finally:
         for hook in hooks:
             hook.remove()
-    first, rest = macs[0], sum(macs[1:])  # in the order the forward runs them: the first one reads the data
-    return (3 * first + 11 * rest) / (2 * first + 3 * rest)
+    return macs[0], sum(macs[1:])  # in the order the forward runs them: the first one reads the data
 
 
 def tasks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[tuple[str, str], Callable[[], object]]:
@@ -123,7 +132,31 @@ def tasks(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[tuple[str,
             out[(f"directional_k{k}", method)] = lambda m=method, k=k: directional_derivatives(
                 model, x, y, v, order=k, method=m
             )
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    for k in TRACE_DIRECTIONS:
+        stacked = random_directions(params, k, "rademacher", torch.Generator().manual_seed(3))
+        vs = [{name: d[j] for name, d in stacked.items()} for j in range(k)]
+        out[(f"trace_gradient_k{k}", "taylor")] = lambda vs=vs: hessian_trace_gradient(model, x, y, directions=vs,
+                                                                                       method="taylor")
+        out[(f"trace_gradient_k{k}", "k single calls")] = lambda vs=vs: [
+            third_order_vector(model, x, y, d, method="taylor") for d in vs]
     return out
+
+
+TRACE_DIRECTIONS = (1, 4, 16)
+"""Hutchinson's directions ``hessian_trace_gradient`` is timed for, batched and as k single third-order vectors."""
+
+
+def trace_product_floor(model: nn.Module, shape: tuple[int, ...], k: int) -> float:
+    """``hessian_trace_gradient``'s cost over a gradient's in matrix products alone, for k directions. One runs as
+    the third-order vector (:func:`product_ratio`). More run batched, the primal shared: a layer reading the data
+    k + 2 products (W x once, V_j x each, ∇W once from the summed adjoint) against 2; any other 3 + 10k against 3
+    (W x₀, x̄₀ = ḡ₀ W and ∇W's ḡ₀ᵀx₀ once; per direction W x₁, V x₀, W x₂, V x₁ forward and their six adjoint
+    products: Leibniz pairs, as Karatsuba's steps aside under vmap). torch's FLOP counter finds these counts."""
+    if k == 1:
+        return product_ratio(model, shape)
+    first, rest = _layer_macs(model, shape)
+    return ((k + 2) * first + (3 + 10 * k) * rest) / (2 * first + 3 * rest)
 
 
 def baseline(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
@@ -144,7 +177,8 @@ def synchronized(f: Callable[[], object], device: torch.device) -> Callable[[], 
     return g
 
 
-def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budget_s: float) -> float:
+def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budget_s: float,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
     """Median over alternating runs of ``time(f) / time(base)``.
 
     Each ratio pairs ``f`` with the gradient run just before it, so load from
@@ -154,12 +188,12 @@ def interleaved_ratio(f: Callable[[], object], base: Callable[[], object], budge
     ratios = []
     start = time.perf_counter()
     while len(ratios) < 5 or (time.perf_counter() - start < budget_s and len(ratios) < 100):
-        s = time.perf_counter()
+        s = clock()
         base()
-        tb = time.perf_counter() - s
-        s = time.perf_counter()
+        tb = clock() - s
+        s = clock()
         f()
-        ratios.append((time.perf_counter() - s) / tb)
+        ratios.append((clock() - s) / tb)
     return statistics.median(ratios)
 
 
@@ -256,6 +290,20 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def trace_summary(rows: list[dict]) -> list[str]:
+    """hessian_trace_gradient per model and k: batched, k single third-order vectors, its matrix products alone."""
+    ks = " / ".join(f"k={k}" for k in TRACE_DIRECTIONS)
+    lines = [f"| model | ∇tr∇²L batched ({ks}) | k single third-order vectors | batched, in matrix products alone |",
+             "|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        get = {(r["quantity"], r["method"]): r["ratio_to_gradient"] for r in rows if r["model"] == model}
+        cells = [" / ".join("–" if get.get((f"trace_gradient_k{k}", m)) is None
+                            else f"{get[(f'trace_gradient_k{k}', m)]:.2f}" for k in TRACE_DIRECTIONS)
+                 for m in ("taylor", "k single calls", "matrix products alone")]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller time budget per row (< 2 minutes)")
@@ -264,6 +312,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="passes over all rows; the median ratio is reported")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by this thread's CPU time (with --threads 1: what other processes' load leaves "
+                             "untouched; wall time otherwise)")
     parser.add_argument("--models", help="comma-separated subset of the models")
     parser.add_argument("--activation", default="tanh", choices=sorted(ACTIVATIONS),
                         help="after every hidden layer (default tanh, the table's; fedhog's models default to gelu)")
@@ -275,6 +326,7 @@ def main() -> None:
         return
     device = torch.device(args.device)
     budget = 0.4 if args.quick else 3.0
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     names = ["mlp_15k", "cnn1d_40k", "mlp_1m"] + (["mlp_5m"] if args.full else [])
     if args.models:
         names = [n for n in names if n in args.models.split(",")] or args.models.split(",")
@@ -308,7 +360,7 @@ def main() -> None:
         ratios: dict[tuple[str, str], list[float]] = {}
         for _ in range(max(1, args.repeat)):
             for quantity, method, f in jobs:
-                ratios.setdefault((quantity, method), []).append(interleaved_ratio(f, base, budget))
+                ratios.setdefault((quantity, method), []).append(interleaved_ratio(f, base, budget, clock))
         for quantity, method, _ in jobs:
             peak = peaks.get(method) if quantity == "third_order_vector" else None
             rows.append(
@@ -322,6 +374,9 @@ def main() -> None:
             )
         rows.append({"model": name, "quantity": "third_order_vector", "method": "matrix products alone",
                      "ratio_to_gradient": round(product_ratio(model, shape), 3), "peak_mib": None})
+        for k in TRACE_DIRECTIONS:
+            rows.append({"model": name, "quantity": f"trace_gradient_k{k}", "method": "matrix products alone",
+                         "ratio_to_gradient": round(trace_product_floor(model, shape, k), 3), "peak_mib": None})
         if peaks:
             rows.append(
                 {
@@ -338,6 +393,7 @@ def main() -> None:
         "threads": args.threads,
         "activation": args.activation,
         "repeat": args.repeat,
+        "clock": "thread CPU time" if args.cpu_time else "wall",
         "batch": BATCH,
         "torch": torch.__version__,
         "load_average_before": [round(v, 2) for v in load_before],
@@ -350,7 +406,7 @@ def main() -> None:
         return
     print(
         f"device={meta['device']} activation={args.activation} "
-        f"threads={args.threads} repeat={args.repeat} batch={BATCH} torch={torch.__version__} "
+        f"threads={args.threads} repeat={args.repeat} clock={meta['clock']} batch={BATCH} torch={torch.__version__} "
         f"load average {meta['load_average_before']} -> {meta['load_average_after']} on {meta['cpus']} CPUs "
         "(medians; ratio to one autograd.grad)"
     )
@@ -364,6 +420,8 @@ def main() -> None:
     )
     print()
     print("\n".join(summary(rows)))
+    print()
+    print("\n".join(trace_summary(rows)))
 
 
 if __name__ == "__main__":
