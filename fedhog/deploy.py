@@ -204,15 +204,17 @@ class LocalFederation:
         Simulation Engine, sized by :meth:`start_run`'s ``federation_config``.
     env : mapping, optional
         Extra environment variables for every process.
+    node_config : str
+        More ``key=value`` pairs for every SuperNode's ``--node-config`` (an operator's floors, say).
     """
 
     def __init__(self, nodes: int, workdir: Path, log_dir: Path, tls: TlsFiles | None = None,
                  startup_timeout: float = 180.0, *, simulation: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, node_config: str = "") -> None:
         if nodes < 1:
             raise ValueError(f"nodes={nodes} is not allowed; expected an integer ≥ 1")
         self.nodes, self.workdir, self.log_dir, self.tls = nodes, workdir.resolve(), log_dir.resolve(), tls
-        self.startup_timeout, self.simulation = startup_timeout, simulation
+        self.startup_timeout, self.simulation, self.node_config = startup_timeout, simulation, node_config
         self.deploy_id = uuid.uuid4().hex
         self.port = free_port()
         self.address = f"{HOST}:{self.port}"
@@ -256,9 +258,10 @@ class LocalFederation:
             return
         link_args = ["--root-certificates", str(self.tls.ca_certfile)] if self.tls else ["--insecure"]
         for i in range(self.nodes):
+            node_config = f"partition-id={i} num-partitions={self.nodes} {self.node_config}".strip()
             self._spawn(f"supernode-{i}", [
                 str(self.bin / "flower-supernode"), *link_args, "--superlink", self.address, "--host", HOST,
-                "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={self.nodes}"])
+                "--port", str(free_port()), "--node-config", node_config])
         self._wait(lambda: self.online_nodes() >= self.nodes, deadline, f"{self.nodes} SuperNodes to be online")
 
     def _write_connection(self) -> None:
@@ -449,14 +452,16 @@ def deploy_local(
 def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None = None, app_dir: Path | None = None,
                             timeout: float | None = None, startup_timeout: float = 180.0, *, tls: bool = False,
                             federation_config: str | None = None,
-                            environment: Callable[[Path], dict[str, str]] | None = None) -> Path:
+                            environment: Callable[[Path], dict[str, str]] | None = None,
+                            node_config: str = "") -> Path:
     """Start a federation, run ``config`` on it with ``flwr run``, show its progress, stop it;
     return the results folder.
 
     The driver of :func:`deploy_local` and of the Simulation Engine
     (:func:`fedhog.engines.simulation.simulate_local`): with ``federation_config``
     the SuperLink runs in simulation mode and ``flwr run`` sizes the simulated
-    federation. ``environment(workdir)`` adds variables for every process.
+    federation. ``environment(workdir)`` adds variables for every process, ``node_config`` pairs to every
+    SuperNode's node config.
     """
     directory = Path(config.results_dir).resolve() if config.results_dir else default_results_dir()
     config = config.with_overrides({"results-dir": str(directory)})
@@ -478,7 +483,8 @@ def run_on_local_federation(config: RunConfig, nodes: int, workdir: Path | None 
         certificates = generate_tls_files(workdir / "tls") if tls else None
         clear_stop_request(directory)
         federation = stack.enter_context(LocalFederation(nodes, workdir, directory / "logs", certificates,
-                                                         startup_timeout, simulation=simulation, env=env))
+                                                         startup_timeout, simulation=simulation, env=env,
+                                                         node_config=node_config))
         stack.push(_request_stop_on_error(directory))  # before the federation stops: see _request_stop_on_error
         run = federation.start_run(app_dir, run_config, directory / "flwr.log", federation_config)
         deadline = None if timeout is None else time.monotonic() + timeout

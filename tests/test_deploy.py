@@ -30,6 +30,7 @@ from fedhog.deploy import (
     deploy_local,
     generate_tls_files,
     marked_processes,
+    run_on_local_federation,
 )
 from fedhog.results import config_to_toml
 
@@ -227,3 +228,19 @@ def test_ctrl_c_during_a_run_leaves_no_process(tmp_path, signum):
     else:
         assert driver.returncode == 128 + signal.SIGTERM, output
     assert _processes_using(tmp_path / "work") == []
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_run_under_a_nodes_floor_is_refused_on_a_local_deployment(tmp_path):
+    """The SuperNodes' operator sets min-noise-multiplier=0.8 in --node-config; the run is submitted with σ = 0.5:
+    each ClientApp refuses it in one line naming the floor, and no client contributes."""
+    floors = f'min-noise-multiplier=0.8 state-dir="{tmp_path / "state"}"'
+    with pytest.raises(DeployError, match=r"min-noise-multiplier=0\.8 \(this node's floor\): the run asks for noise "
+                                          r"multiplier 0\.5"):
+        run_on_local_federation(_config(tmp_path, "floored", rounds=1, **{"privacy-seed": -1}), 2, tmp_path / "work",
+                                timeout=300, node_config=floors)
+    assert _processes_using(tmp_path / "work") == []
+    metrics = read_metrics(tmp_path / "floored")
+    assert metrics["status"] == "failed" and metrics["rounds"][0]["clients_accepted"] == 0
+    assert "Traceback" not in metrics["error"] and "/" not in metrics["error"].split("RoundRefused")[1]
