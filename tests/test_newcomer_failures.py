@@ -1,4 +1,4 @@
-"""An absurd value fails before anything trains, in one named line; a run that fails says so on disk, whatever failed."""
+"""An absurd value fails before anything trains, in one named line; a failed run says so on disk, whatever failed."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fedhog.privacy.pld import composition_bytes
 from fedhog.results import ResultsWriter, read_run_document
 
 
-@pytest.mark.parametrize(("sigma", "count"), [(1.0, 300), (3.0, 2000)])
+@pytest.mark.parametrize("sigma, count", [(1.0, 300), (3.0, 2000)])
 def test_the_accounting_memory_is_that_of_dp_accountings_own_composition(sigma, count):
     """The FFT length is found from the bounds alone; dp_accounting's composed PMF says how long it really was."""
     pld = pld_lib.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=1e-3,

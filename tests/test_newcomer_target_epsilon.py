@@ -58,5 +58,5 @@ def test_a_results_folder_written_when_zero_meant_off_is_read_as_it_was_meant(tm
                                                                         "target-epsilon = 0.0"))
     stored = load_run_config(tmp_path)
     assert stored.target_epsilon == NO_TARGET_EPSILON and stored.noise_multiplier == 1.3
-    with pytest.raises(ConfigError, match="target-epsilon=0.0 is not allowed"):  # a config given now is not
+    with pytest.raises(ConfigError, match=r"target-epsilon=0\.0 is not allowed"):  # a config given now is not
         load_config(tmp_path / "config.toml")
