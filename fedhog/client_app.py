@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 from logging import WARNING
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,7 +22,13 @@ from flwr.common.constant import ErrorCode
 
 from . import protocol
 from .aggregators import aggregator_of
-from .client_state import accountant_path, load_accountant_state, save_accountant_state, state_dir
+from .client_state import (
+    accountant_path,
+    cached_calibration,
+    load_accountant_state,
+    save_accountant_state,
+    state_dir,
+)
 from .config import RunConfig
 from .data import ArrayData, dataset_info, load_client_data
 from .derivatives import hessian_trace_gradient, third_order_vector
@@ -150,37 +157,42 @@ def client_promise(context: Context, config: RunConfig) -> ClientPromise:
         If the ledger cannot be read.
     """
     floors = NodeFloors.from_node_config(context.node_config)
-    path = ledger_path(state_dir(context.node_config), int(context.node_config["partition-id"]))
-    return ClientPromise(ReleaseLedger.load(path), floors, context.run_id, lambda d: run_terms(config, d))
+    directory = state_dir(context.node_config)
+    path = ledger_path(directory, int(context.node_config["partition-id"]))
+    return ClientPromise(ReleaseLedger.load(path), floors, context.run_id,
+                         lambda d: run_terms(config, d, directory))
 
 
-def run_terms(config: RunConfig, dimension: int | None) -> RunTerms:
+def run_terms(config: RunConfig, dimension: int | None, directory: Path) -> RunTerms:
     """What ``config``'s run asks of this client and what one contribution releases, as the client accounts it.
 
-    Trusted server: the noise the run says the server adds (σ, calibrated if the run targets an ε), composed
-    without amplification by sampling. Distributed noise: the client's own plan (σ_l, m shares), which needs the
-    model's dimension (None: not known yet, at a SecAgg+ setup).
+    Trusted server: the noise the run says the server adds (σ, calibrated if the run targets an ε: once per node,
+    cached in its state ``directory``), composed without amplification by sampling. Distributed noise: the
+    client's own plan (σ_l, m shares). Both need the model's dimension d; None (a SecAgg+ setup, which carries no
+    model) gives the terms without the noise, which the collect stage checks.
     """
     terms = RunTerms(config.rounds, config.secure_aggregation != "off", config.secagg_threshold,
                      seeded=config.privacy_seed >= 0)
+    if dimension is None:
+        return terms
     if config.noise == "distributed":
-        if dimension is None:
-            return terms
         plan = config.distributed_noise(dimension)
         accounting = plan.accounting
         return replace(terms, noise_multiplier=plan.noise_multiplier,
                        release=Release("ddg", local_std=plan.local_std, shares=accounting.shares, l2=accounting.l2,
                                        dimension=accounting.dimension, draws=plan.draws_per_release))
-    calibrated = _calibrated(config)
-    sigma = calibrated.noise_multiplier if calibrated.privacy_mechanism.has_guarantee else 0.0
+    sigma = _calibrated_sigma(config, directory) if config.privacy_mechanism.has_guarantee else 0.0
     release = (Release("gaussian", noise_multiplier=accountant_noise_multiplier(sigma, config.sampling))
                if sigma > 0 else Release("none"))
     return replace(terms, noise_multiplier=sigma, release=release)
 
 
 @lru_cache(maxsize=8)
-def _calibrated(config: RunConfig) -> RunConfig:
-    return config.calibrated()
+def _calibrated_sigma(config: RunConfig, directory: Path) -> float:
+    """σ of ``config``'s run (calibrated to its target-epsilon, if any), remembered in this process and on disk."""
+    if not config.target_epsilon > 0:
+        return config.noise_multiplier
+    return cached_calibration(directory, repr(config.calibration_inputs), lambda: config.calibrated().noise_multiplier)
 
 
 def _fedhog_reply(msg: Message, work: LocalWork, config: RunConfig) -> Message:

@@ -15,14 +15,17 @@ before the server checkpointed the round counts the round again when the run
 resumes: correct, because it did release an update.
 
 The state dir is the SuperNode's node config ``state-dir`` if it has one, else
-``$FEDHOG_CACHE/client-state`` (default ``~/.cache/fedhog/client-state``).
+``$FEDHOG_CACHE/client-state`` (default ``~/.cache/fedhog/client-state``). It
+also holds the node's release ledger (:mod:`fedhog.secure_aggregation.ledger`)
+and a cache of the σ calibrated for the runs it served (:func:`cached_calibration`:
+public values, recomputed when missing).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,27 @@ def save_accountant_state(path: Path, state: Mapping[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically (readers see the old state or the new one); directories are private."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write(path, json.dumps(state).encode("utf-8"))
+
+
+CALIBRATIONS = "calibrations.json"
+
+
+def cached_calibration(directory: Path, key: str, compute: Callable[[], float]) -> float:
+    """``compute()`` (a σ calibrated from public config described by ``key``), kept in ``<directory>/calibrations.json``
+    so that a node calibrates each run once, not once per ClientApp process (PLD calibration takes seconds).
+
+    An unreadable cache is recomputed and rewritten: it holds nothing that cannot be computed again.
+    """
+    path = directory / CALIBRATIONS
+    try:
+        cache = json.loads(path.read_text(encoding="utf-8"))
+        value = cache[key] if isinstance(cache, dict) else None
+    except (OSError, ValueError, KeyError):
+        cache, value = {}, None
+    if isinstance(value, float):
+        return value
+    value = float(compute())
+    cache = {**(cache if isinstance(cache, dict) else {}), key: value}
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(dict(list(cache.items())[-256:])).encode("utf-8"))
+    return value

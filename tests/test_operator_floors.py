@@ -166,3 +166,25 @@ def test_a_nodes_own_epsilon_for_distributed_noise_is_the_runs_ddg_accountants(t
     assert [count for _, count in ledger.releases()] == [2]
     assert ledger.epsilon(SECURE.delta) == pytest.approx(accountant.epsilon(), rel=1e-12)
     assert accountant.sampler_slack(2).epsilon > 0
+
+
+def test_a_node_calibrates_a_target_epsilon_run_once_and_accounts_the_calibrated_sigma(tmp_path, monkeypatch):
+    """Each ClientApp message of a deployment is a fresh process: the σ a run's target-epsilon calibrates is computed
+    once per node, kept in its state dir, and is what the ledger records and the floors compare."""
+    from fedhog import client_app as module
+
+    run = RUN.with_overrides({"target-epsilon": 5.0, "accountant": "rdp", "noise-multiplier": 1.0})
+    sigma = run.calibrated().noise_multiplier
+    grid = _grid(tmp_path, {"min-noise-multiplier": 0.9 * sigma}, run)
+    node = sorted(grid.contexts)[0]
+    assert not _train(grid, 1, node).has_error()
+    module._calibrated_sigma.cache_clear()  # a fresh process
+    monkeypatch.setattr(RunConfig, "calibrated", lambda self: pytest.fail("calibrated again"))
+    assert not _train(grid, 2, node).has_error()
+    context = grid.contexts[node]
+    ledger = ReleaseLedger.load(ledger_path(state_dir(context.node_config), context.node_config["partition-id"]))
+    [(release, count)] = ledger.releases()
+    assert (release.mechanism, release.noise_multiplier, count) == ("gaussian", sigma, 2) and sigma != 1.0
+    module._calibrated_sigma.cache_clear()
+    stricter = _grid(tmp_path, {"min-noise-multiplier": 1.1 * sigma}, run)
+    assert f"the run asks for noise multiplier {sigma:.4g}" in _refusal(_train(stricter, 1, node))
