@@ -41,6 +41,14 @@ before round 1 and so in no round's time); its peak RSS is that of the
 driver and its actors together (sampled every 0.2 s). And
 a population of 1 000 000 clients (``synthetic-large``: each client's data
 generated when it is sampled) runs 3 rounds with cohorts of 10 000.
+``--device`` sets every row's ``device`` (default ``auto``: CUDA when present).
+``--scaling cuda cpu`` instead runs only the vectorized engine on
+``synthetic-large`` for populations of 10³ to 10⁶ (cohorts of a tenth, at most
+10 000), the MLP and the CNN, DP-FedAvg and HOG, on each device named: the
+seconds a round and, on CUDA, the peak GPU memory
+(``torch.cuda.max_memory_allocated``); one process per device and population,
+CUDA's first, and the rows that ``--budget`` seconds leave no time for are
+listed as skipped (``simulations/gpu/check.sh``).
 
 Usage::
 
@@ -51,6 +59,7 @@ Usage::
     python simulations/bench_rounds.py --core --repeat 3  # the engine rows only, 3 passes round-robin
     python simulations/bench_rounds.py --activations [gelu silu] [--quick]  # the round per activation vs tanh
     python simulations/bench_rounds.py --activations gelu --normalizations none ws group-ws --quick
+    python simulations/bench_rounds.py --scaling cuda cpu --json --budget 170  # CUDA against CPU, 10³ to 10⁶ clients
 """
 
 from __future__ import annotations
@@ -89,6 +98,8 @@ def run_one(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     config = RunConfig().with_overrides(spec["config"])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     rss: list[tuple[int, float]] = []
     add_round = results.ResultsWriter.add_round
 
@@ -114,7 +125,8 @@ def run_one(spec: dict) -> dict:
     return {"seconds_per_round": statistics.median(every[1:]), "all_in_seconds_per_round": sum(every) / len(every),
             "all_in_over_training_and_mechanism": (sum(every) / (work["training"] + work["mechanism"])
                                                    if in_process else None),  # vectorized: the cohort's work
-            "peak_rss_mib": peak, "rss": rss}
+            "peak_rss_mib": peak, "rss": rss,
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}
 
 
 def _timed(owner: object, name: str, totals: dict[str, float], key: str) -> None:
@@ -211,14 +223,28 @@ def main() -> None:
                         "each against tanh's")
     parser.add_argument("--normalizations", nargs="+", default=["none"], metavar="NAME",
                         help="with --activations: each activation with each of these normalizations (default none)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="every row's device (default auto: CUDA when present)")
+    parser.add_argument("--scaling", nargs="+", metavar="DEVICE", choices=("cpu", "cuda"),
+                        help="only the vectorized engine, populations 10^3..10^6, on each of these devices")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="with --scaling: seconds for all rows; those left without time are listed as skipped")
     parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--scaling-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return
+    if args.scaling_one:
+        scaling_one(json.loads(args.scaling_one))
+        return
+    WORKLOAD["device"] = args.device
+    if args.scaling:
+        scaling_table(args.scaling, args.quick, args.threads, args.budget, args.json)
+        return
     rounds = 6 if args.quick else 20
     if args.activations is not None:
-        activation_table(rounds, args.threads, args.json, args.activations, args.normalizations)
+        activation_table(rounds, args.threads, args.json, args.activations, args.normalizations, args.device)
         return
     engines = ["inprocess", "vectorized"] + (["simulation"] if args.full else [])
     rows = []
@@ -328,7 +354,8 @@ def _pick(rows: list[dict], by: str, **where: str) -> dict[str, float]:
             if all(r[k] == v for k, v in where.items()) and r["population"] == 1000 and r["shards"] == 1}
 
 
-def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], normalizations: list[str]) -> None:
+def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], normalizations: list[str],
+                     device: str = "auto") -> None:
     """The cohort's local work (gaussian) and with the HOG term, per activation and normalisation, against tanh's.
 
     What an activation changes in a vectorized round is the cohort's training and, with HOG, its third-order
@@ -343,7 +370,7 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
     from fedhog.data import dataset_info, population_training_data
     from fedhog.engines.cohort import CohortTrainer, HogSettings
     from fedhog.models import ACTIVATIONS, NORMALIZATIONS, build_model
-    from fedhog.training import direction_seed, hog_rows
+    from fedhog.training import direction_seed, hog_rows, select_device
 
     unknown = set(names) - set(ACTIVATIONS)
     if unknown:
@@ -370,7 +397,7 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
         for variant in chosen:
             torch.manual_seed(0)
             network = build_model(model, *dataset_info(config.data_spec), *variant)
-            trainers[model, variant] = (CohortTrainer(network, x, y, indices, torch.device("cpu")),
+            trainers[model, variant] = (CohortTrainer(network, x, y, indices, select_device(device)),
                                         network.state_dict())
     for _ in range(rounds):
         for (model, activation), (trainer, start) in trainers.items():
@@ -380,8 +407,11 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
                 timings.setdefault((model, mechanism, activation), []).append(time.perf_counter() - began)
             # the yardstick of the term: every client's gradient, vmapped, on the examples its term is computed on
             stacked = {k: v.unsqueeze(0).expand(len(cohort), *v.shape).clone() for k, v in start.items()}
+            index, mask = rows_index.to(trainer.device), rows_mask.to(trainer.device)
             began = time.perf_counter()
-            trainer._losses_and_gradients(stacked, trainer.x[rows_index], trainer.y[rows_index], rows_mask)
+            trainer._losses_and_gradients(stacked, trainer.x[index], trainer.y[index], mask)
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize(trainer.device)  # its kernels run asynchronously
             timings.setdefault((model, "gradient", activation), []).append(time.perf_counter() - began)
     gradient = {(m, *a): statistics.median(t) for (m, k, a), t in timings.items() if k == "gradient"}
     rows = [{"model": m, "mechanism": k, "activation": a[0], "normalization": a[1], "seconds": statistics.median(t),
@@ -407,6 +437,98 @@ def activation_table(rounds: int, threads: int, quiet: bool, names: list[str], n
         print(f"| {r['model']} | {r['mechanism']} | {r['activation']} | {r['normalization']} "
               f"| {r['seconds'] * 1e3:.0f} | {r['seconds'] / tanh[r['model'], r['mechanism']]:.2f} | {hog} "
               f"| {work / gradient[own]:.2f} |")
+
+
+SCALING_POPULATIONS = (1_000, 10_000, 100_000, MILLION)
+SCALING_COHORT_MAX = 10_000
+
+
+def scaling_table(devices: list[str], quick: bool, threads: int, budget: float, quiet: bool) -> None:
+    """The vectorized engine on ``synthetic-large`` over populations, per device: seconds a round, peak GPU memory.
+
+    One child process per (device, population) runs the MLP and the CNN, DP-FedAvg and HOG, and prints each row
+    as it is measured; the devices' rows come in the order named, populations ascending. A child is given the
+    time left of ``budget`` at most (its rows printed by then are kept), and rows no time is left for are listed
+    with ``skipped``.
+    """
+    populations = SCALING_POPULATIONS[:2] if quick else SCALING_POPULATIONS
+    started = time.perf_counter()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="fedhog-bench-") as work:
+        for device in devices:
+            for population in populations:
+                left = budget - (time.perf_counter() - started)
+                planned = [(m, k) for m in ("mlp", "cnn1d") for k in ("gaussian", "hog")]
+                done: list[dict] = []
+                if left > 10:
+                    spec = {"device": device, "population": population, "threads": threads,
+                            "rounds": 3 if quick or population >= MILLION else 4, "workdir": work}
+                    try:
+                        out = subprocess.run([sys.executable, __file__, "--scaling-one", json.dumps(spec)],
+                                             capture_output=True, text=True, timeout=left).stdout
+                    except subprocess.TimeoutExpired as expired:
+                        out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout or ""
+                    done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+                for model, mechanism in planned[len(done):]:
+                    done.append({"device": device, "population": population, "model": model, "mechanism": mechanism,
+                                 "skipped": "the budget ran out" if left > 10 else "no budget left"})
+                for row in done:
+                    rows.append(row)
+                    if not quiet:
+                        print(f"  {row['device']} N={row['population']:,} {row['model']} {row['mechanism']}: "
+                              + (f"{row['seconds_per_round'] * 1e3:.1f} ms/round" if "seconds_per_round" in row
+                                 else row["skipped"]), file=sys.stderr)
+    import torch
+
+    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "cpu_threads": threads, "budget_seconds": budget, "seconds": time.perf_counter() - started}
+    if quiet:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        return
+    print(f"vectorized engine, synthetic-large, cohorts of a tenth (at most {SCALING_COHORT_MAX:,}); GPU "
+          f"{meta['gpu']}, CPU rows with {threads} torch threads; median of rounds 2..T\n")
+    print("| device | population | cohort | model | mechanism | ms / round | peak GPU MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "seconds_per_round" in row:
+            gpu = f"{row['peak_gpu_mib']:.0f}" if row["peak_gpu_mib"] is not None else "–"
+            print(f"| {row['device']} | {row['population']:,} | {row['cohort']:,} | {row['model']} "
+                  f"| {row['mechanism']} | {row['seconds_per_round'] * 1e3:.1f} | {gpu} |")
+        else:
+            print(f"| {row['device']} | {row['population']:,} | | {row['model']} | {row['mechanism']} "
+                  f"| {row['skipped']} | |")
+
+
+def scaling_one(spec: dict) -> None:
+    """One device and population of :func:`scaling_table`, in this (child) process: a JSON line per row."""
+    import torch
+
+    from fedhog.client_app import app as client_app
+    from fedhog.config import RunConfig
+    from fedhog.engines.vectorized import run_vectorized
+    from fedhog.server_app import app as server_app
+
+    torch.set_num_threads(spec["threads"])
+    population = spec["population"]
+    cohort = min(population // 10, SCALING_COHORT_MAX)
+    for model in ("mlp", "cnn1d"):
+        for mechanism in ("gaussian", "hog"):
+            folder = Path(spec["workdir"]) / f"{spec['device']}-{population}-{model}-{mechanism}"
+            config = RunConfig().with_overrides({
+                **{k: v for k, v in WORKLOAD.items() if k not in ("dataset", "num-samples", "partitioner")},
+                "dataset": "synthetic-large", "population": population, "sampling-rate": cohort / population,
+                "delta": 0.1 / population, "privacy-seed": -1, "model": model, "mechanism": mechanism,
+                "device": spec["device"], "rounds": spec["rounds"], "results-dir": str(folder)})
+            cuda = spec["device"] == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            run_vectorized(server_app, client_app, config)
+            seconds = [r["seconds"] for r in json.loads((folder / "metrics.json").read_text())["rounds"]]
+            print(json.dumps({"device": spec["device"], "population": population, "cohort": cohort, "model": model,
+                              "mechanism": mechanism, "threads": spec["threads"],
+                              "seconds_per_round": statistics.median(seconds[1:]), "first_round_seconds": seconds[0],
+                              "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}),
+                  flush=True)
 
 
 def _progress(row: dict, quiet: bool) -> None:

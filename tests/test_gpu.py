@@ -294,6 +294,7 @@ def test_a_cached_partition_is_the_partitioners_bits_and_needs_no_flwr_datasets(
         fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Dirichlet partition is cached under $FEDHOG_CACHE; read back where datasets and flwr-datasets cannot be
     imported (as on the GPU machine, whose wheelhouse has neither), it is the same parts, bit for bit."""
+    pytest.importorskip("flwr_datasets", reason="the partition is flwr-datasets' to compute")
     labels = np.random.default_rng(4).integers(0, 10, 600)
     spec = DataSpec(population=20, partitioner="dirichlet", dirichlet_alpha=0.5)
     parts = _partition(labels, spec)
@@ -311,6 +312,7 @@ def test_a_cached_partition_is_the_partitioners_bits_and_needs_no_flwr_datasets(
 def test_a_partition_cached_by_another_flwr_datasets_is_partitioned_again(fresh_cache: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts written by another flwr-datasets version than the installed one are not trusted: partitioned anew."""
+    pytest.importorskip("flwr_datasets", reason="the partition is flwr-datasets' to compute")
     labels = np.random.default_rng(5).integers(0, 10, 300)
     spec = DataSpec(population=10, partitioner="iid")
     monkeypatch.setattr("fedhog.data._flwr_datasets_version", lambda: "0.0.1")
