@@ -89,8 +89,12 @@ for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
         print(wheel)
 EOF
 )
+    local wheel
     # shellcheck disable=SC2086  # one wheel path a word
-    [ -z "$missing" ] || "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$WORK/site" $missing || return 1
+    if [ -n "$missing" ] && ! "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$WORK/site" $missing; then
+        echo "pip could not install the wheelhouse: unpacking the wheels onto the path instead"
+        for wheel in $missing; do "$PYTHON" -m zipfile -e "$wheel" "$WORK/site" || return 1; done
+    fi
     if "$PYTHON" -m pip install --quiet --no-index --no-deps --no-build-isolation --target "$WORK/site" "$REPO" \
             > "$WORK/fedhog-build.log" 2>&1; then
         echo "fedhog installed (--no-deps) into $WORK/site"
