@@ -127,7 +127,7 @@ step "quickstart-$DEVICE" "$([ $QUICK = 1 ] && echo 60 || echo 75)" - quickstart
 step quickstart-cpu-beside "$([ $QUICK = 1 ] && echo 60 || echo 90)" - quickstart cpu "$WORK/quickstart-cpu-beside"
 DERIVATIVES=(--json --activation gelu --quick)
 [ "$QUICK" = 1 ] && DERIVATIVES+=(--models mlp_15k)
-step "derivatives-$DEVICE" 60 "$OUT_DIR/derivatives-$DEVICE.json" \
+step "derivatives-$DEVICE" 90 "$OUT_DIR/derivatives-$DEVICE.json" \
     "$PYTHON" simulations/bench_derivatives.py "${DERIVATIVES[@]}" --device "$DEVICE" --threads 1
 # the rounds: what the deadline leaves, less 70 s for the steps after it
 ROUNDS_BUDGET=$((DEADLINE - $(date +%s) - 70))
@@ -139,8 +139,8 @@ ROUNDS=(--scaling "${SCALING[@]}" --json --threads "$THREADS" --budget "$ROUNDS_
 [ "$QUICK" = 1 ] && ROUNDS+=(--quick)
 step rounds "$((ROUNDS_BUDGET + 15))" "$OUT_DIR/rounds.json" "$PYTHON" simulations/bench_rounds.py "${ROUNDS[@]}"
 if [ "$DEVICE" != cpu ]; then
-    step derivatives-cpu 50 "$OUT_DIR/derivatives-cpu.json" \
-        "$PYTHON" simulations/bench_derivatives.py "${DERIVATIVES[@]}" --device cpu --threads "$THREADS"
+    step derivatives-cpu 50 "$OUT_DIR/derivatives-cpu.json" "$PYTHON" simulations/bench_derivatives.py \
+        "${DERIVATIVES[@]}" --models mlp_15k,cnn1d_40k --device cpu --threads "$THREADS"
 fi
 GRADIENT_DEVICES=("$DEVICE")
 [ "$DEVICE" != cpu ] && GRADIENT_DEVICES+=(cpu)
