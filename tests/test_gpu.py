@@ -333,3 +333,29 @@ def test_a_partition_cached_by_another_flwr_datasets_is_partitioned_again(fresh_
     assert len(calls) == 1
     _partition(labels, spec)  # now cached by the installed version
     assert len(calls) == 1
+
+
+# --- the check's verdicts (simulations/gpu/summarize.py) --------------------------------------------------------------
+
+def test_the_checks_summary_flags_a_device_that_spends_another_epsilon_or_learns_another_model() -> None:
+    """The seeded quickstart on the device against the CPU: the same ε after every round and an accuracy within
+    the tolerance pass; an ε that differs anywhere, or accuracy beyond the tolerance, is flagged."""
+    from helpers import load_simulation
+
+    summarize = load_simulation("gpu/summarize")
+    cpu = {"accuracy": 0.70, "epsilons": [1.0, 2.0], "clients_sampled": [480, 510], "command_seconds": 60.0}
+    same = {**cpu, "accuracy": 0.70 + summarize.ACCURACY_TOLERANCE / 2, "command_seconds": 20.0}
+    verdict = summarize.compare_quickstarts(same, cpu)
+    assert verdict["same_epsilon_exactly"] and verdict["same_cohort_sizes"] and verdict["accuracy_within_tolerance"]
+    assert verdict["speedup_whole_command"] == 3.0
+    assert not summarize.compare_quickstarts({**same, "epsilons": [1.0, 2.0000000001]}, cpu)["same_epsilon_exactly"]
+    drifted = {**same, "accuracy": 0.70 - 2 * summarize.ACCURACY_TOLERANCE}
+    assert not summarize.compare_quickstarts(drifted, cpu)["accuracy_within_tolerance"]
+    rows = [{"device": d, "population": 1_000_000, "model": "mlp", "mechanism": "gaussian", "seconds_per_round": s,
+             "peak_gpu_mib": m} for d, s, m in (("cuda", 1.425, 900.0), ("cpu", 14.25, None))]
+    rounds = summarize.rounds_figures({"rows": [*rows, {"device": "cpu", "population": 1000, "model": "cnn1d",
+                                                        "mechanism": "hog", "skipped": "no budget left"}]}, "cuda")
+    assert rounds["speedups"] == [{"population": 1_000_000, "model": "mlp", "mechanism": "gaussian",
+                                   "speedup_over_cpu": 10.0}]
+    assert rounds["million_mlp_gaussian"]["speedup_over_the_2_core_cpu"] == summarize.TWO_CORE_MILLION_SECONDS / 1.425
+    assert len(rounds["skipped"]) == 1
