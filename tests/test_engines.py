@@ -5,6 +5,10 @@ partition id and replies are aggregated in partition order, so with a fixed
 seed the two differ at most by floating-point summation inside torch kernels.
 The Simulation Engine's SuperLink, SuperExec, flwr-simulation and Ray are
 fedhog's own: they run in a private folder and are gone when `fedhog run` exits.
+
+Cost: each Simulation Engine run is a `fedhog run` subprocess that starts a SuperLink and Ray (the expensive part);
+the in-process reference runs in this process (`cli.main`, the same command without the interpreter's start-up),
+and the module's runs share one data cache, so the digits partitions are made once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import pytest
 import torch
 from helpers import read_metrics, set_args
 from tagged import new_tag, tagged
+
+from fedhog import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -45,22 +51,35 @@ def _fedhog_run(engine: str, results, env, settings=SETTINGS, seen: dict | None 
     return read_metrics(results)
 
 
+def _in_process(results, env, monkeypatch: pytest.MonkeyPatch, settings=SETTINGS) -> dict:
+    """The same `fedhog run --engine inprocess`, in this process, with the runs' cache."""
+    monkeypatch.setenv("FEDHOG_CACHE", env["FEDHOG_CACHE"])
+    assert cli.main(["run", "--engine", "inprocess", *set_args(*settings, f'results-dir="{results}"')]) == 0
+    return read_metrics(results)
+
+
 def _tail(path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's data cache: every run here uses the same digits partitions."""
+    return tmp_path_factory.mktemp("engines-cache")
+
+
 @pytest.fixture
-def env(tmp_path):
+def env(cache):
     """The runs' environment; Ray's socket paths must stay under 107 bytes, so its folder is short."""
     with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
-        yield {**os.environ, "FEDHOG_CACHE": str(tmp_path / "cache"),
+        yield {**os.environ, "FEDHOG_CACHE": str(cache),
                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", ray)}
 
 
-def test_simulation_engine_matches_inprocess(tmp_path, env):
+def test_simulation_engine_matches_inprocess(tmp_path, env, monkeypatch):
     seen: dict[int, tuple[str, str]] = {}
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env, seen=seen)
-    in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env)
+    in_process = _in_process(tmp_path / "inprocess", env, monkeypatch)
 
     # run from the checkout, yet no Flower process works in it: a later `flwr run` cannot write into it
     superlinks = [cwd for command, cwd in seen.values() if "flower-superlink" in command]
@@ -98,13 +117,13 @@ def test_flowers_dp_baseline_runs_under_the_simulation_engine(tmp_path, env):
 
 @pytest.mark.parametrize("noise", [[], ["sampling=\"fixed\"", "noise=\"distributed\""]],
                          ids=["central", "distributed"])
-def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env, noise):
+def test_secure_aggregation_runs_under_the_simulation_engine(tmp_path, env, noise, monkeypatch):
     """SecAgg+'s client state lives in each node's context between the stages' messages, which the
     Simulation Engine keeps as the in-process engine does: with a fixed privacy seed the clients draw
     the same ξ, roundings and (distributed) noise shares, so both engines unmask the same sums."""
     settings = [*SETTINGS, "secure-aggregation=\"secagg+\"", "mechanism=\"hog\"", *noise]
     simulated = _fedhog_run("simulation", tmp_path / "simulation", env, settings)
-    in_process = _fedhog_run("inprocess", tmp_path / "inprocess", env, settings)
+    in_process = _in_process(tmp_path / "inprocess", env, monkeypatch, settings)
     assert simulated["status"] == in_process["status"] == "finished"
     for a, b in zip(simulated["rounds"], in_process["rounds"], strict=True):
         assert a["clients_accepted"] == b["clients_accepted"] and a["failure"] == b["failure"]
