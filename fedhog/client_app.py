@@ -299,7 +299,7 @@ def secure_contribution(msg: Message, context: Context, modulus_bits: int) -> np
     rows, _ = mechanism.constrain_sensitivity(update[None], terms, torch.from_numpy(xis))
     lattice, _ = config.secure_plan(update.numel())
     if lattice.modulus_bits != modulus_bits:
-        raise ValueError(f"the server asks for residues mod 2^{modulus_bits}, "
+        raise RoundRefused(f"the server asks for residues mod 2^{modulus_bits}, "
                          f"the run config for 2^{lattice.modulus_bits}")
     return lattice.encode(mechanism.noise_share(lattice.stochastic_round(rows[0], bits), bits))
 

@@ -251,3 +251,27 @@ def test_a_reply_to_another_rounds_instruction_is_refused(tmp_path):
     second = MessageRunner(grid).train(request(2))  # the clients answered round 2; round 1's replies came back
     assert not second.results
     assert [error.kind for _, error in second.refused] == [Rejection.WRONG_ROUND] * 2
+
+
+def test_a_collect_stage_for_another_round_than_the_setups_is_refused(tmp_path):
+    """The setup named round 1; the server then sends the model of round 2 to be masked: the client refuses, so its
+    contribution to a round is only ever the one its setup admitted."""
+    grid = _grid(tmp_path, SECURE, DroppingGrid)
+    model = _model(SECURE)
+    dimension = sum(int(np.prod(a.shape)) for a in model.values())
+    lattice, noise = SECURE.secure_plan(dimension)
+    settings = SecAggSettings(SECURE.secagg_num_shares, SECURE.secagg_threshold, lattice, SECURE.clipping_norm, noise)
+
+    class Switching:  # forwards the stages, but the collect stage carries another round's instruction
+        def send_and_receive(self, messages, *, timeout=None):
+            for message in messages:
+                if message.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE] == Stage.COLLECT_MASKED_VECTORS:
+                    message.content["config"] = _instruction(2)
+            return grid.send_and_receive(messages, timeout=timeout)
+
+    content = RecordDict({"arrays": model, "config": _instruction(1)})
+    with pytest.raises(SecureAggregationFailed, match="collect-masked-vectors"):
+        secure_sum(Switching(), sorted(grid.contexts), content, dimension, settings, 10, "1")
+    reasons = [_refusal(r) for r in grid.replies if r.has_error()]
+    assert len(reasons) == SECURE.population
+    assert all("the stage asks for round 2; this client's SecAgg+ setup was for round 1" in r for r in reasons)

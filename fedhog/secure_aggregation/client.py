@@ -157,7 +157,7 @@ def _masked_vector(state: SecAggPlusState, configs: ConfigRecord, contribute: Co
         sender, destination, seed_share, key_share = share_keys_plaintext_separate(
             decrypt(state.ss2_dict[source], ciphertext))
         if sender != source or destination != state.nid:
-            raise ValueError(f"node {state.nid}: a share from {sender} to {destination} arrived as {source}'s")
+            raise RoundRefused(f"node {state.nid}: a share from {sender} to {destination} arrived as {source}'s")
         state.rd_seed_share_dict[source] = seed_share
         state.sk1_share_dict[source] = key_share
     bits = state.mod_range.bit_length() - 1
