@@ -24,7 +24,7 @@ from tagged import new_tag, tagged
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 CHECKOUT = Path(__file__).resolve().parents[1]
-TINY = ["dataset=digits", "model=logreg", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
+TINY = ["dataset=digits", "population=4", "sampling-rate=0.5", "rounds=2", "partitioner=iid"]
 
 
 def _share_torch(venv: Path, links: Path) -> None:
@@ -72,16 +72,29 @@ def test_the_installed_package_is_not_the_checkout(installed):
     assert Path(where).is_relative_to(installed) and "site-packages" in where
 
 
+USER_MODEL = """
+import math
+from torch import nn
+
+def tanh_mlp(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 6), nn.Tanh(), nn.Linear(6, num_classes))
+"""
+
+
 def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_path):
+    """...with a user's model factory from the working directory, which Flower's processes, started in other
+    folders, import too (fedhog puts the working directory on their PYTHONPATH)."""
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
     home.mkdir()
     elsewhere.mkdir()
+    (elsewhere / "fh_user_models.py").write_text(USER_MODEL)
     tag = new_tag()
     with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as ray:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "RAY_TMPDIR": ray, **tag,  # no venv on PATH
-               "FEDHOG_CACHE": os.environ.get("FEDHOG_CACHE", str(home / ".cache" / "fedhog"))}
+               "FEDHOG_CACHE": os.environ.get("FEDHOG_CACHE", str(home / ".cache" / "fedhog")),
+               "PYTHONDONTWRITEBYTECODE": "1"}  # the factory's __pycache__ would be the only other file there
         command = [str(installed / "bin" / "fedhog"), "run", "--engine", "simulation"]  # the packaged quickstart, tiny
-        for setting in TINY:
+        for setting in [*TINY, 'model="fh_user_models:tanh_mlp"']:
             command += ["--set", setting]
         done = subprocess.run(command, env=env, cwd=elsewhere, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -92,7 +105,8 @@ def test_the_venvs_fedhog_runs_the_simulation_engine_unactivated(installed, tmp_
     assert metrics["launch"] == {"command": "run", "engine": "simulation", "client_cpus": 1}
     assert tagged(tag) == {}  # SuperLink, SuperExec, flwr-simulation, Ray: all stopped
     assert not (home / ".flwr").exists()  # fedhog's FLWR_HOME was private
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["results"]
+    assert metrics["config"]["model"] == "fh_user_models:tanh_mlp"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["fh_user_models.py", "results"]
 
 
 def test_the_installed_package_carries_its_subpackages(installed, tmp_path):
