@@ -131,17 +131,21 @@ def test_flwr_cli_errors_are_quoted_from_their_box(tmp_path):
 # --- real processes ----------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_deployment_matches_the_inprocess_engine(tmp_path):
+def test_a_deployment_over_tls_matches_the_inprocess_engine(tmp_path):
+    """Over TLS with throwaway certificates (the other deployments here are insecure), two rounds."""
     from fedhog.client_app import app as client_app
     from fedhog.engines.inprocess import run_in_process
     from fedhog.server_app import app as server_app
 
     config = _config(tmp_path, "deployed")
     started = time.perf_counter()
-    directory = deploy_local(config, nodes=2, workdir=tmp_path / "work", timeout=300)
+    directory = deploy_local(config, nodes=2, tls=True, workdir=tmp_path / "work", timeout=300)
     print(f"deployment: {time.perf_counter() - started:.1f} s")
     assert directory == (tmp_path / "deployed").resolve()
     assert _processes_using(tmp_path / "work") == []
+    assert "https://127.0.0.1:" in (directory / "logs" / "superlink.log").read_text()
+    connection = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
+    assert "root-certificates" in connection and "insecure" not in connection
     assert {p.name for p in (directory / "logs").iterdir()} == {"superlink.log", "supernode-0.log",
                                                                  "supernode-1.log"}
     run_in_process(server_app, client_app, 2, _config(tmp_path, "inprocess").to_mapping())
@@ -187,20 +191,6 @@ def test_secure_aggregation_runs_on_a_local_deployment(tmp_path, noise):
     model_b = torch.load(tmp_path / "inprocess" / "final_model.pt")
     for key in model_a:
         torch.testing.assert_close(model_a[key], model_b[key], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-@pytest.mark.subprocess
-def test_one_round_over_tls(tmp_path):
-    directory = deploy_local(_config(tmp_path, "tls", rounds=1), nodes=2, tls=True, workdir=tmp_path / "work",
-                             timeout=300)
-    metrics = read_metrics(directory)
-    assert metrics["status"] == "finished" and len(metrics["rounds"]) == 1
-    assert metrics["rounds"][0]["clients_accepted"] == 2
-    assert "https://127.0.0.1:" in (directory / "logs" / "superlink.log").read_text()
-    connection = (tmp_path / "work" / "flwr-home" / "config.toml").read_text()
-    assert "root-certificates" in connection and "insecure" not in connection
-    assert _processes_using(tmp_path / "work") == []
 
 
 @pytest.mark.slow
