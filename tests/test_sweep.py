@@ -25,11 +25,27 @@ SMOKE = ROOT / "configs" / "sweep_smoke.toml"
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 
 
+def _calibrate_once(patch: pytest.MonkeyPatch) -> None:
+    """σ calibrated once for each set of inputs: a sweep's cells of one ε share it. The calibration is a pure
+    function of its arguments, and its PLD search takes a second or more (most of a tiny sweep's time)."""
+    from functools import cache
+
+    from fedhog.privacy import calibration  # what every run's calibration calls, where it calls it
+
+    patch.setattr(calibration, "calibrate_noise_multiplier", cache(calibration.calibrate_noise_multiplier))
+
+
+@pytest.fixture
+def calibrated_once(monkeypatch):
+    _calibrate_once(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """The smoke sweep, run once for the module: (sweep, outcome)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FEDHOG_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        _calibrate_once(patch)
         sweep = load_sweep(SMOKE, tmp_path_factory.mktemp("smoke") / "out")
         yield sweep, run_sweep(sweep, show_progress=False)
 
@@ -405,7 +421,8 @@ def test_tuning_expands_every_setting_per_variant_condition_and_tuning_seed(tmp_
 
 
 @pytest.mark.slow
-def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch, fresh_cache):
+def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_path, monkeypatch, fresh_cache,
+                                                                          calibrated_once):
     monkeypatch.chdir(tmp_path)  # output = "out" is relative to the working directory
     sweep = load_sweep(_write(tmp_path, TUNED))
     outcome = run_sweep(sweep, show_progress=False)
@@ -434,9 +451,9 @@ def test_tuning_chooses_on_the_validation_set_and_the_cells_use_the_choice(tmp_p
 
 
 @pytest.mark.slow
-def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatch):
+def test_shortened_tuning_runs_keep_the_full_horizons_noise(tmp_path, monkeypatch, calibrated_once):
     """[tune] rounds = R: a trial stops after R rounds, with the σ calibrated for the cell's own rounds."""
-    from fedhog.privacy.calibration import calibrate_noise_multiplier
+    from fedhog.privacy.calibration import calibrate_noise_multiplier  # once per condition (calibrated_once)
 
     monkeypatch.chdir(tmp_path)
     text = TUNED.replace("rounds = 2\nclipping", "rounds = 6\nclipping")
