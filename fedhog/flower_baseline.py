@@ -39,7 +39,6 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from . import protocol
 from .compat import zero_updates_pass_flowers_clipping
 from .config import RunConfig
-from .privacy.calibration import unamplified_privacy_config
 from .replies import metric_record
 from .strategy import RoundRecord
 
@@ -74,6 +73,10 @@ def build_flower_dp_strategy(
                     min_available_nodes=cohort, weighted_by_key=protocol.FEDAVG_WEIGHT,
                     train_metrics_aggr_fn=aggregate_train_metrics)
     max_epsilon = config.max_epsilon if math.isfinite(config.max_epsilon) else None
+    # dp-accounting (scipy.stats) loads here, not with the module: the ClientApp imports this module for its reply,
+    # and every message of a deployment is a fresh flwr-clientapp process (1.1 s of its imports)
+    from .privacy.calibration import unamplified_privacy_config
+
     accountant = RdpAccountant(unamplified_privacy_config(config.population, config.delta, max_epsilon))
     return DifferentialPrivacyServerSideFixedClipping(
         fedavg, config.noise_multiplier, config.server_learning_rate * config.clipping_norm, cohort,

@@ -45,6 +45,12 @@ def test_the_edge_loads_neither_torch_nor_flower(name: str) -> None:
     assert _heavy_loaded(PROBES[name]) == []
 
 
+def test_a_clientapp_process_loads_no_accountant() -> None:
+    """Each message of a deployment starts a fresh flwr-clientapp process that imports the ClientApp: dp-accounting
+    (and the scipy.stats it pulls, 1.1 s) loads only where a client accounts (DP-SGD, an operator's max-epsilon)."""
+    assert "dp_accounting" not in _heavy_loaded("import fedhog.client_app")
+
+
 def test_the_probe_sees_a_heavy_import() -> None:
     """The probe above is not blind: a module that needs torch is reported."""
     assert "torch" in _heavy_loaded("import fedhog.models")

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 from scipy.special import logsumexp
 
 from .sampler_slack import SamplerSlack, discrete_sampler_slack
@@ -112,6 +111,9 @@ class DdgAccounting:
         """ε at δ after ``releases`` releases (0 before any)."""
         if releases == 0:
             return 0.0
+        # imported here: the ClientApp imports this module, and loads no accountant unless a client accounts
+        from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
         return float(compute_epsilon(ORDERS, releases * self.rdp(local_std), delta)[0])
 
     def calibrate(self, target_epsilon: float, releases: int, delta: float, tolerance: float = 0.005) -> float:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from ..files import atomic_write
 from ..privacy.distributed_gaussian import ORDERS, ddg_rdp
@@ -106,6 +105,9 @@ def epsilon_of(releases: Iterable[tuple[Release, int]], delta: float) -> float:
         return 0.0
     if not np.isfinite(total).any():
         return math.inf
+    # imported here: every deployed message is a fresh ClientApp process, which loads no accountant unless it accounts
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
     return float(compute_epsilon(ORDERS, total, delta)[0]) + discrete_sampler_slack(draws, 1, 0.0, delta).epsilon
 
 
