@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 import scipy.linalg
+import torch
 from dp_accounting import dp_event, rdp
 from dp_accounting.pld import PLDAccountant
 
@@ -22,6 +23,12 @@ from fedhog.privacy.correlated.accounting import (
 )
 from fedhog.privacy.correlated.noise import BandedNoiseStream
 from fedhog.privacy.correlated.planner import NoisePrediction, choose_bands, plan_bands
+from fedhog.privacy.correlated.release import (
+    COEFFICIENT_BITS,
+    BandedLatticeRelease,
+    dyadic_strategy,
+    release_sensitivity_steps,
+)
 from fedhog.privacy.correlated.sensitivity import max_column_norm, separated_sensitivity
 from fedhog.privacy.correlated.strategies import (
     BandedToeplitzStrategy,
@@ -31,6 +38,8 @@ from fedhog.privacy.correlated.strategies import (
     optimised_coefficients,
     prefix_sum_matrix,
 )
+from fedhog.privacy.lattice import NoiseLattice
+from fedhog.privacy.mechanism import GaussianMechanism
 from fedhog.privacy.randomness import SeededBits, lattice_gaussian
 
 
@@ -224,3 +233,81 @@ def test_the_planner_keeps_independent_noise_where_correlation_does_not_pay() ->
     assert plan[0].ratio == 1.0 and all(p.ratio > 1.0 for p in plan[1:])
     assert plan[1].ratio == pytest.approx(1.05, abs=0.01)
     assert choose_bands(plan).bands == 1
+
+
+def _sums(rounds: int, dimension: int, seed: int, scale: int = 2**50) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-scale, scale, size=(rounds, dimension), dtype=np.int64)
+
+
+def test_the_exact_release_encodes_c_times_s_in_exact_integers() -> None:
+    strategy = dyadic_strategy(BandedToeplitzStrategy.optimised(9, 4))
+    sums = _sums(9, 6, seed=1, scale=2**54)
+    numerators = [int(c * 2**COEFFICIENT_BITS) for c in strategy.coefficients]
+    release = BandedLatticeRelease(strategy, 2.0**-30, 1e6)
+    for t in range(9):
+        encoded = release.encode(sums[t])
+        exact = [sum(numerators[k] * int(sums[t - k][i]) for k in range(min(4, t + 1))) for i in range(6)]
+        assert encoded.tolist() == [(value + 2**(COEFFICIENT_BITS - 1)) >> COEFFICIENT_BITS for value in exact]
+    with pytest.raises(OverflowError):
+        release.encode(np.full(6, 2**55, dtype=np.int64))
+
+
+def test_the_exact_release_is_c_inverse_of_a_lattice_point() -> None:
+    strategy, granularity = dyadic_strategy(BandedToeplitzStrategy.bsr(8, 3)), 2.0**-20
+    sums = _sums(8, 5, seed=2, scale=2**30)
+    release = BandedLatticeRelease(strategy, granularity, 1e5)
+    lattice, model = zip(*(release.release(sums[t], SeededBits(4, (t,))) for t in range(8)), strict=True)
+    lattice_release, model_sums = np.stack(lattice), np.stack(model)
+    assert lattice_release.dtype == np.int64  # the private release: integers, nothing of the data's float bits
+    np.testing.assert_allclose(strategy.matrix() @ model_sums / granularity, lattice_release, rtol=0, atol=1e-3)
+    noise = lattice_release - strategy.matrix() @ sums.astype(np.float64)  # z + rounding residue, |residue| ≤ ½
+    z = np.stack([lattice_gaussian(SeededBits(4, (t,)), 5, 1e5) for t in range(8)])
+    assert np.max(np.abs(noise - z)) <= 0.5 + 1e-3
+
+
+@pytest.mark.parametrize("bands, round_changed", [(3, 2), (4, 0), (1, 3)])
+def test_one_participation_moves_the_release_by_at_most_its_sensitivity(bands: int, round_changed: int) -> None:
+    rounds, dimension, step_bound = 8, 50, 1000.0
+    strategy = dyadic_strategy(BandedToeplitzStrategy.bsr(rounds, bands))
+    sums = _sums(rounds, dimension, seed=3, scale=2**40)
+    rng = np.random.default_rng(bands)
+    delta = rng.normal(size=dimension)
+    delta = np.round(delta / np.linalg.norm(delta) * step_bound * 0.999).astype(np.int64)
+    neighbour = sums.copy()
+    neighbour[round_changed] += delta
+    releases = []
+    for data in (sums, neighbour):
+        release = BandedLatticeRelease(strategy, 1.0, 1e4)
+        releases.append(np.stack([release.release(data[t], SeededBits(9, (t,)))[0] for t in range(rounds)]))
+    moved = releases[1] - releases[0]
+    touched = np.zeros(rounds, dtype=bool)
+    touched[round_changed:round_changed + bands] = True
+    assert not moved[~touched].any()
+    np.testing.assert_array_equal(moved[round_changed], delta)  # c_0 = 1: the participation's own row, exactly
+    bound = release_sensitivity_steps(strategy, step_bound, dimension)
+    assert np.linalg.norm(moved) <= bound
+    assert np.linalg.norm(moved) > strategy.max_column_norm() * np.linalg.norm(delta) - math.sqrt(bands * dimension)
+
+
+def test_one_band_releases_exactly_what_dp_fedavg_releases() -> None:
+    mechanism = GaussianMechanism(clipping_norm=1.0, noise_multiplier=1.3)
+    lattice = NoiseLattice.for_settings(mechanism, 40)
+    std_steps = lattice.sum_std(mechanism) / lattice.granularity
+    release = BandedLatticeRelease(dyadic_strategy(BandedToeplitzStrategy.independent(3)), lattice.granularity,
+                                   std_steps)
+    for t, data in enumerate(_sums(3, 40, seed=5, scale=2**42)):
+        expected, _ = mechanism.add_noise(torch.from_numpy(data), lattice, SeededBits(7, (t,)), 10)
+        _, model_sum = release.release(data, SeededBits(7, (t,)))
+        np.testing.assert_array_equal(model_sum, expected.numpy())
+    assert release_sensitivity_steps(release.strategy, 5.0, 40) == 5.0
+
+
+def test_the_exact_release_refuses_what_it_cannot_do_exactly_and_keeps_its_buffer() -> None:
+    with pytest.raises(ValueError, match="dyadic_strategy"):
+        BandedLatticeRelease(BandedToeplitzStrategy((1.0, 0.1), 4), 1.0, 1.0)
+    release = BandedLatticeRelease(dyadic_strategy(BandedToeplitzStrategy.bsr(4, 2)), 1.0, 1.0)
+    release.release(np.arange(3, dtype=np.int64), SeededBits(0, (0,)))
+    with pytest.raises(TypeError, match="secret"):
+        pickle.dumps(release)
+    with pytest.raises(TypeError, match="int64"):
+        release.release(np.zeros(3), SeededBits(0, (1,)))
