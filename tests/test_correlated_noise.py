@@ -245,11 +245,12 @@ def test_the_exact_release_encodes_c_times_s_in_exact_integers() -> None:
     numerators = [int(c * 2**COEFFICIENT_BITS) for c in strategy.coefficients]
     release = BandedLatticeRelease(strategy, 2.0**-30, 1e6)
     for t in range(9):
-        encoded = release.encode(sums[t])
+        lattice_release, _ = release.release(sums[t], SeededBits(8, (t,)))
+        encoded = lattice_release - lattice_gaussian(SeededBits(8, (t,)), 6, 1e6)  # R_t: the release less its z_t
         exact = [sum(numerators[k] * int(sums[t - k][i]) for k in range(min(4, t + 1))) for i in range(6)]
         assert encoded.tolist() == [(value + 2**(COEFFICIENT_BITS - 1)) >> COEFFICIENT_BITS for value in exact]
     with pytest.raises(OverflowError):
-        release.encode(np.full(6, 2**55, dtype=np.int64))
+        BandedLatticeRelease(strategy, 1.0, 1.0).release(np.full(6, 2**55, dtype=np.int64), SeededBits(0, (0,)))
 
 
 def test_the_exact_release_is_c_inverse_of_a_lattice_point() -> None:

@@ -81,8 +81,8 @@ class BandedLatticeRelease:
         self._released: deque[np.ndarray] = deque(maxlen=max(strategy.bands - 1, 0))  # y_{t−1}, ...: public
         self.rounds_released = 0
 
-    def encode(self, lattice_sum: np.ndarray) -> np.ndarray:
-        """R_t = round(Σ_k c_k S_{t−k}) exactly (int64; ties round up), with ``lattice_sum`` as S_t (kept)."""
+    def _encode(self, lattice_sum: np.ndarray) -> np.ndarray:
+        """R_t = round(Σ_k c_k S_{t−k}) exactly (int64; ties round up), keeping ``lattice_sum`` as S_t."""
         lattice_sum = np.asarray(lattice_sum)
         if lattice_sum.dtype != np.int64:
             raise TypeError(f"the lattice sum must be int64, got {lattice_sum.dtype}")
@@ -103,7 +103,7 @@ class BandedLatticeRelease:
         """(r_t, y_t): the private lattice release (int64) and the model's noised sum g·(C⁻¹r)_t (float64)."""
         if self.rounds_released >= self.strategy.rounds:
             raise RuntimeError(f"the strategy covers {self.strategy.rounds} rounds; all have been released")
-        encoded = self.encode(lattice_sum)
+        encoded = self._encode(lattice_sum)
         lattice_release = encoded + lattice_gaussian(bits, encoded.size, self.std_steps).reshape(encoded.shape)
         model_sum = lattice_release.astype(np.float64) * self.granularity
         for coefficient, previous in zip(self.strategy.coefficients[1:], self._released, strict=False):
