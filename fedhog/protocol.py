@@ -22,6 +22,7 @@ what the Prometheus metrics label, its detail what the log says.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -162,3 +163,20 @@ class BadReply(ValueError):
     def __reduce__(self) -> tuple[type[BadReply], tuple[Rejection, str]]:
         """Pickled as its kind and detail (a sharded cohort's refusals travel back from Ray actors)."""
         return BadReply, (self.kind, self.detail)
+
+
+def client_error_summary(reason: str, limit: int = 300) -> str:
+    """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped,
+    at most ``limit`` characters.
+
+    Flower reports ``<class 'X'>:<'message'>``; its Simulation Engine wraps the
+    ClientApp's error (with Ray's traceback) as ``... ClientAppException occurred.
+    Message: <the error>``; the in-process engine sends ``Type: message`` and a traceback.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason.removeprefix("client error: "))
+    if inner := re.search(r"Exception ClientAppException occurred\. Message: (.*?)(?:'>)?\s*$", text, re.S):
+        text = inner.group(1)
+    elif wrapped := re.fullmatch(r"<class '([^']+)'>:<'(.*)'>\s*", text, re.S):
+        text = f"{wrapped.group(1).rsplit('.', 1)[-1]}: {wrapped.group(2)}"
+    text = " ".join(text.split("Traceback (most recent call last)")[0].split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -7,7 +7,6 @@ import io
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -149,23 +148,6 @@ def mark_failed(directory: Path, reason: str) -> None:
     if document is not None and document.get("status") in ("starting", "running"):
         document.update(status="failed", error=reason)
         atomic_write(directory / "metrics.json", standard_json(document, indent=2).encode())
-
-
-def client_error_summary(reason: str, limit: int = 300) -> str:
-    """A client's error reason on one line: Flower's wrappers unwrapped, tracebacks dropped,
-    at most ``limit`` characters.
-
-    Flower reports ``<class 'X'>:<'message'>``; its Simulation Engine wraps the
-    ClientApp's error (with Ray's traceback) as ``... ClientAppException occurred.
-    Message: <the error>``; the in-process engine sends ``Type: message`` and a traceback.
-    """
-    text = re.sub(r"\x1b\[[0-9;]*m", "", reason.removeprefix("client error: "))
-    if inner := re.search(r"Exception ClientAppException occurred\. Message: (.*?)(?:'>)?\s*$", text, re.S):
-        text = inner.group(1)
-    elif wrapped := re.fullmatch(r"<class '([^']+)'>:<'(.*)'>\s*", text, re.S):
-        text = f"{wrapped.group(1).rsplit('.', 1)[-1]}: {wrapped.group(2)}"
-    text = " ".join(text.split("Traceback (most recent call last)")[0].split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def config_to_toml(config: RunConfig) -> str:

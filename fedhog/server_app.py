@@ -32,9 +32,9 @@ from .monitoring import SNAPSHOT_NAME, ServerMetrics
 from .privacy.adaptive_clipping import AdaptiveClipping
 from .privacy.randomness import PrivacyRandomness
 from .privacy.sampler_slack import sampler_label
-from .protocol import JOB_ID, Rejection
+from .protocol import JOB_ID, Rejection, client_error_summary
 from .replies import metric_record, runner_for
-from .results import ResultsWriter, client_error_summary, default_results_dir, stop_requested
+from .results import ResultsWriter, default_results_dir, stop_requested
 from .secure_aggregation.server import SecAggSettings, small_cohort_delta
 from .server_step import ProxyStepLength
 from .strategy import MAX_EMPTY_IN_A_ROW, RoundRecord, SecureAggregator, log_round

@@ -30,7 +30,7 @@ from .privacy.mechanism import AggregateStats, Contribution, Mechanism
 from .privacy.randomness import PrivacyRandomness, RoundRandomness
 from .privacy.sampler_slack import MAX_TAIL_DELTA_SHARE
 from .privacy.sampling import SamplingKind, expected_cohort_size, sample_cohort
-from .protocol import BadReply, ClientResult, MetricValue, Rejection
+from .protocol import BadReply, ClientResult, MetricValue, Rejection, client_error_summary
 from .replies import (
     CohortReplies,
     CohortRunner,
@@ -187,6 +187,7 @@ class SecureAggregator(Strategy):
         self.current: RoundRecord | None = None
         self.client_metrics: list[dict[str, MetricValue]] = []  # MetricRecords of the last round's accepted replies
         self.rejection_reasons: dict[str, str] = {}  # the last round's first reason of each rejection kind
+        self._rejections_logged: set[str] = set()  # the round's rejection reasons already in the log
 
     def __repr__(self) -> str:
         return (f"SecureAggregator(mechanism={self.mechanism!r}, sampling={self.sampling!r}, q={self.sampling_rate}, "
@@ -325,6 +326,7 @@ class SecureAggregator(Strategy):
         self.current = RoundRecord(round=server_round, clients_sampled=len(chosen), epsilon=self.accountant.epsilon())
         self.client_metrics = []
         self.rejection_reasons = {}
+        self._rejections_logged = set()
         return dict(self._cohort)
 
     def configure_train(
@@ -566,7 +568,10 @@ class SecureAggregator(Strategy):
         record.rejections[kind] = record.rejections.get(kind, 0) + 1
         self.rejection_reasons.setdefault(kind, str(error))
         record.third_order_failures += error.kind is Rejection.NON_FINITE_THIRD_ORDER_TERM
-        log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, error)
+        reason = f"{error.kind}: {client_error_summary(error.detail)}"  # one line: no client's traceback or paths
+        if reason not in self._rejections_logged:  # the same reason from other clients: counted, not repeated
+            self._rejections_logged.add(reason)
+            log(WARNING, "round %d: rejected the result of %s: %s", server_round, sender, reason)
 
     def read_contribution(self, reply: Message) -> Contribution:
         """Turn a reply into a flat contribution, or raise :class:`BadReply` (for a sampled node)."""

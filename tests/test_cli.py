@@ -271,7 +271,7 @@ def test_a_run_whose_every_client_fails_stops_with_their_reason_and_the_epsilon_
     ("client error: " + "x" * 500, "x" * 299 + "…"),
 ])
 def test_client_errors_are_quoted_in_one_line(reason, summary):
-    from fedhog.results import client_error_summary
+    from fedhog.protocol import client_error_summary
 
     assert client_error_summary(reason) == summary
 

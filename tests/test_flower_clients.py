@@ -4,6 +4,8 @@ aggregation with a reason that says why."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -159,6 +161,18 @@ def test_secure_aggregation_says_a_standard_clientapp_cannot_take_part():
     assert record.failure.startswith("secure aggregation failed") and SECURE_NEEDS_FEDHOG_CLIENTS in record.failure
     initial = _initial().to_torch_state_dict()
     assert all(torch.equal(ours["model"][k], initial[k]) for k in initial)
+
+
+def test_a_reason_many_clients_share_is_logged_once_on_one_line(caplog):
+    """Every standard client fails SecAgg+'s first stage with the same KeyError and a traceback of the client's
+    files: the server's log says it once, on one line, and the round's record counts all of them."""
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        ours = _fedhog(1, mechanism="gaussian", **{"noise-multiplier": 1.0, "secure-aggregation": "secagg+"})
+    rejected = [r.getMessage() for r in caplog.records if "rejected the result of" in r.getMessage()]
+    assert len(rejected) == 1, rejected
+    assert "KeyError: 'arrays'" in rejected[0] and "\n" not in rejected[0]
+    assert "Traceback" not in caplog.text and "test_flower_clients.py" not in caplog.text
+    assert ours["records"][0].clients_rejected == POPULATION
 
 
 def test_secure_aggregation_refuses_a_reply_that_carries_weights():
