@@ -413,6 +413,13 @@ class RunConfig:
             raise ConfigError(f"noise={toml_value(self.noise)} is not allowed with secure-aggregation="
                               f"{toml_value(self.secure_aggregation)}; expected noise=\"central\", or "
                               "secure-aggregation=\"secagg+\" (the clients' noise shares must be summed under masks)")
+        # the SecAgg+ settings' ranges whether or not secure aggregation is on: a bad value is a mistake either way
+        _check("secagg-num-shares", self.secagg_num_shares, self.secagg_num_shares == 0 or self.secagg_num_shares >= 3,
+               "0 (the whole cohort) or an integer ≥ 3")
+        _check("secagg-threshold", self.secagg_threshold, 0 < self.secagg_threshold <= 1, "a number in (0, 1]")
+        _check("secagg-modulus-bits", self.secagg_modulus_bits,
+               MIN_MODULUS_BITS <= self.secagg_modulus_bits <= MAX_MODULUS_BITS,
+               f"an integer in {MIN_MODULUS_BITS}..{MAX_MODULUS_BITS}")
         if self.secure_aggregation != "off":
             self._validate_secure_aggregation()
 
@@ -500,12 +507,6 @@ class RunConfig:
             raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs mechanism "
                               f"{_either(CLIPPING_MECHANISMS)}: clients must clip to clipping-norm before quantising "
                               f"(mechanism={self.mechanism!r} sends unbounded, example-weighted updates)")
-        _check("secagg-num-shares", self.secagg_num_shares, self.secagg_num_shares == 0 or self.secagg_num_shares >= 3,
-               "0 (the whole cohort) or an integer ≥ 3")
-        _check("secagg-threshold", self.secagg_threshold, 0 < self.secagg_threshold <= 1, "a number in (0, 1]")
-        _check("secagg-modulus-bits", self.secagg_modulus_bits,
-               MIN_MODULUS_BITS <= self.secagg_modulus_bits <= MAX_MODULUS_BITS,
-               f"an integer in {MIN_MODULUS_BITS}..{MAX_MODULUS_BITS}")
         if self.sampling == "fixed" and self.expected_cohort < 2:
             raise ConfigError(f"secure-aggregation={toml_value(self.secure_aggregation)} needs a cohort of ≥ 2: "
                               f"sampling-rate × population = {self.expected_cohort} (SecAgg+ cannot hide one client)")

@@ -69,6 +69,8 @@ if TYPE_CHECKING:
 
 HF_PREFIX = "hf:"
 SYNTHETIC_MAX_SAMPLES = 1000  # cap on the heavy-tailed per-client sample counts
+DIGITS_EXAMPLES = 1797  # scikit-learn's digits
+MNIST1D_CLASSES = 10
 LARGE_SYNTHETIC = "synthetic-large"
 LARGE_TEST_CLIENTS = 1000  # synthetic-large: the clients whose held-out examples are the test set
 _stage = logging.getLogger("fedhog.stage").info  # what the progress display shows before the first round
@@ -236,6 +238,10 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
                       f"test_fraction + server_validation_fraction + proxy_fraction < 1 (they sum to {held_out:g})")
     if not _is_int(spec.seed) or spec.seed < 0:
         raise _reject("seed", spec.seed, "an integer >= 0")
+    pool = _client_examples(spec)
+    if pool is not None and spec.population > pool:  # known from the config: refused before the data is made
+        raise _reject("population", spec.population, f"at most the {pool} training examples of dataset="
+                      f"{dataset!r}" + (f" with num_samples={spec.num_samples}" if dataset == "mnist1d" else ""))
     if partition_id is not None and (
         not _is_int(partition_id) or not 0 <= partition_id < spec.population
     ):
@@ -243,6 +249,18 @@ def validate_spec(spec: DataSpec, partition_id: int | None = None) -> None:
             "partition_id", partition_id,
             f"an integer in [0, {spec.population - 1}] (population={spec.population})",
         )
+
+
+def _client_examples(spec: DataSpec) -> int | None:
+    """How many examples the clients share (what :func:`_federation` partitions), where the config alone tells:
+    MNIST-1D (``num_samples``) and digits; None for the datasets whose size needs their data."""
+    mnist1d = spec.num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES  # mnist1d makes as many of each class
+    total = mnist1d if spec.dataset == "mnist1d" else DIGITS_EXAMPLES if spec.dataset == "digits" else None
+    if total is None:
+        return None
+    held = (int(fraction * total) for fraction in (spec.test_fraction, spec.server_validation_fraction,
+                                                   spec.proxy_fraction))
+    return total - sum(held)
 
 
 def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
@@ -255,7 +273,7 @@ def dataset_info(spec: DataSpec) -> tuple[tuple[int, ...], int]:
         federation = _federation(spec)
         return tuple(federation.x.shape[1:]), federation.num_classes
     if spec.dataset == "mnist1d":
-        return (1, 40), 10
+        return (1, 40), MNIST1D_CLASSES
     if spec.dataset == "digits":
         return (1, 8, 8), 10
     if _synthetic_params(spec.dataset) is not None or _large_params(spec.dataset) is not None:

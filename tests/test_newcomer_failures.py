@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,41 @@ def test_a_run_whose_engine_dies_before_its_serverapp_writes_says_failed(tmp_pat
     assert document is not None and document["status"] == "failed"
     assert document["error"] == "MemoryError: Unable to allocate 250. GiB"
     assert "run failed" in capsys.readouterr().err
+
+
+# --- values the config alone shows to be wrong, refused whatever else the run does ----------------------------------
+QUICKSTART = str(files("fedhog") / "quickstart.toml")
+
+
+@pytest.mark.parametrize("keys", [
+    {"dataset": "digits", "population": 5},
+    {"dataset": "digits", "population": 3, "server-validation-fraction": 0.1, "proxy-fraction": 0.05},
+    {"dataset": "mnist1d", "num-samples": 57, "population": 2},
+    {"dataset": "mnist1d", "num-samples": 101, "population": 2, "proxy-fraction": 0.13},
+])
+def test_the_clients_examples_known_from_the_config_are_those_partitioned(keys):
+    from fedhog.data import _client_examples, _federation
+
+    spec = RunConfig().with_overrides({"target-epsilon": -1, "sampling-rate": 1.0, **keys}).data_spec
+    assert _client_examples(spec) == len(_federation(spec).y)
+
+
+def test_more_clients_than_examples_is_refused_before_the_data_is_made(monkeypatch):
+    """num-samples = 10 on the quickstart (10 000 clients) generated the data, then failed (a newcomer's case)."""
+    import fedhog.data
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was generated")
+
+    monkeypatch.setattr(fedhog.data, "load_mnist1d", never)
+    with pytest.raises(ConfigError, match=r"population=10000 is not allowed; expected at most the 8 training examples "
+                                          r"of dataset='mnist1d' with num_samples=10"):
+        load_config(QUICKSTART, {"num-samples": 10})
+
+
+@pytest.mark.parametrize("key, value", [("secagg-threshold", 1.5), ("secagg-threshold", 0.0),
+                                        ("secagg-num-shares", 2), ("secagg-modulus-bits", 3)])
+def test_a_secure_aggregation_setting_out_of_range_is_refused_with_secure_aggregation_off(key, value):
+    """secagg-threshold = 1.5 on the quickstart (secure aggregation off) trained for minutes without a word."""
+    with pytest.raises(ConfigError, match=rf"^{key}={value} is not allowed; expected "):
+        load_config(QUICKSTART, {key: value})
