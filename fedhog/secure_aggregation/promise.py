@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from flwr.app import ConfigRecord, Context, Message
 
 from .. import protocol
+from ..replies import server_round_of
 from .floors import NodeFloors, RunTerms
 from .ledger import ReleaseLedger, RoundRefused
 
@@ -31,12 +32,11 @@ def instruction_round(msg: Message) -> int:
     RoundRefused
         If the message carries no ``config`` record with an integer ``server-round``.
     """
-    config = msg.content.config_records.get("config")
-    value = None if config is None else config.get(protocol.SERVER_ROUND)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RoundRefused(f"the message names no round ({protocol.SERVER_ROUND}={value!r}); this client "
-                           "contributes only to a round it can record")
-    return value
+    try:
+        return server_round_of(msg)
+    except (KeyError, ValueError) as error:
+        raise RoundRefused(f"the message names no round ({error}); this client contributes only to a round it "
+                           "can record") from None
 
 
 @dataclass
@@ -78,9 +78,9 @@ class ClientPromise:
         if record is None:
             raise RoundRefused("no SecAgg+ setup of this client names a round for this stage")
         server_round = int(record[protocol.SERVER_ROUND])  # type: ignore[arg-type]
-        if "config" in msg.content.config_records and instruction_round(msg) != server_round:
-            raise RoundRefused(f"the stage asks for round {instruction_round(msg)}; this client's SecAgg+ setup "
-                               f"was for round {server_round}")
+        if "config" in msg.content.config_records and (asked := instruction_round(msg)) != server_round:
+            raise RoundRefused(f"the stage asks for round {asked}; this client's SecAgg+ setup was for round "
+                               f"{server_round}")
         return server_round
 
     def check_unmask(self, msg: Message, context: Context) -> int:
