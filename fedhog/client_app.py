@@ -98,11 +98,10 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def _train(msg: Message, context: Context) -> Message:
+    config = run_config_of(context)
     if is_secaggplus(msg):
-        config = run_config_of(context)
         return handle_stage(msg, context, lambda bits: secure_contribution(msg, context, bits),
                             client_guard(config), client_promise(context, config))
-    config = run_config_of(context)
     _check_instruction(msg, config)
     if config.secure_aggregation != "off":
         raise RoundRefused(f"secure-aggregation={config.secure_aggregation!r}: this client contributes through "

@@ -24,9 +24,9 @@ def available_memory() -> int:
 def accounting_bytes(config: RunConfig) -> tuple[int, float]:
     """The memory ε after ``rounds`` releases takes under PLD accounting at its peak, and the σ it peaks at.
 
-    The σ a run composes (``noise-multiplier``) and, when σ is calibrated to
-    ``target-epsilon``, σ = 1 as well, where the calibration starts: a lower bound
-    on what the run needs. (0, σ) where nothing is PLD-composed (RDP, fixed-size
+    σ is the run's ``noise-multiplier``, or, when σ is calibrated to
+    ``target-epsilon``, 1, where the calibration starts: a lower bound on what the
+    run needs. (0, σ) where nothing is PLD-composed (RDP, fixed-size
     sampling, no guarantee).
     """
     from .privacy.accounting import PLD_VALUE_DISCRETIZATION_INTERVAL, effective_accountant
@@ -35,10 +35,9 @@ def accounting_bytes(config: RunConfig) -> tuple[int, float]:
     if effective_accountant(config.accountant, config.sampling) != "pld" or config.aggregator != "fedhog" \
             or (not config.privacy_mechanism.has_guarantee and not config.target_epsilon > 0):
         return 0, config.noise_multiplier
-    sigmas = [1.0] if config.target_epsilon > 0 else [config.noise_multiplier]
-    needs = [(composition_bytes(sigma, config.sampling_rate, config.rounds,
-                                interval=PLD_VALUE_DISCRETIZATION_INTERVAL), sigma) for sigma in sigmas]
-    return max(needs)
+    sigma = 1.0 if config.target_epsilon > 0 else config.noise_multiplier
+    return composition_bytes(sigma, config.sampling_rate, config.rounds,
+                             interval=PLD_VALUE_DISCRETIZATION_INTERVAL), sigma
 
 
 def check_feasible(config: RunConfig) -> None:
